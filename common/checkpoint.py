@@ -1,0 +1,94 @@
+"""Atomic checkpoint writes, safe loads and resume lookup.
+
+A checkpoint is a dict of ``state_dict``s and plain Python values. It is written to a
+temporary file in the same directory and ``os.replace``d into place, so a kill at any
+moment leaves either the old file or the new one, never a torn one. Loading uses
+``weights_only=True``: a checkpoint can never execute code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class CheckpointError(ValueError):
+    """The file is missing, unreadable or not a checkpoint of this project."""
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
+                    required: tuple[str, ...] = ("model",)) -> dict[str, Any]:
+    """Load a checkpoint or raise CheckpointError with a one-line reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises many types for a non-checkpoint file
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason[:120]})") from None
+    if not isinstance(state, dict) or any(key not in state for key in required):
+        raise CheckpointError(f"{path}: not a checkpoint of this project (missing {', '.join(required)})")
+    return state
+
+
+def latest_checkpoint(directory: str | Path, pattern: str = r".*\.pt") -> Path | None:
+    """The newest checkpoint in ``directory`` matching ``pattern`` (by step number, then mtime)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.iterdir() if p.is_file() and re.fullmatch(pattern, p.name)]
+    if not found:
+        return None
+
+    def order(p: Path):
+        numbers = re.findall(r"\d+", p.stem)
+        final = "final" in p.stem or "latest" in p.stem
+        return (p.stat().st_mtime, final, int(numbers[-1]) if numbers else -1)
+
+    return max(found, key=order)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy-legacy and torch RNG states in a form ``weights_only`` can load."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    python_state = state["python"]
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

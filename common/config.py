@@ -1,0 +1,242 @@
+"""Dataclass configs <-> ``--kebab-case`` flags <-> YAML overlays, with validation.
+
+A script declares its settings as one or more dataclasses whose defaults are what a
+user edits; the comment after each field becomes that flag's help text. Precedence is
+defaults < ``--config FILE.yaml`` < explicit flags. Any problem (unknown key, wrong
+type, impossible value) stops the run with one line naming the field, the value and
+what is allowed, and exit status 2, before anything is written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_BAD_CONFIG = 2
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names field, value and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{flag_name(field)} {value!r}: {allowed}")
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def fail(message: str) -> typing.NoReturn:
+    """Print one clear line and exit with the bad-config status."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Map field name -> the trailing ``# comment`` on its line in the class source."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for line in source.splitlines():
+            match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
+            if match:
+                comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """``Optional[X]`` / ``X | None`` -> (X, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(field: str, tp: Any, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type, or raise ConfigError."""
+    base, optional = _unwrap_optional(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(field, value, f"must be a {getattr(base, '__name__', base)}, not empty")
+    origin = typing.get_origin(base)
+    if origin is list:
+        (item_type,) = typing.get_args(base) or (str,)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [_coerce(field, item_type, item) for item in items]
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(field, value, "must be true or false")
+    if base is int:
+        if isinstance(value, bool):
+            raise ConfigError(field, value, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                try:  # "1e6" is a common way to write a step budget
+                    number = float(value)
+                    if number.is_integer():
+                        return int(number)
+                except ValueError:
+                    pass
+        raise ConfigError(field, value, "must be an integer")
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(field, value, "must be a number")
+    if base is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(field, value, "must be a string")
+    return value
+
+
+def _groups(spec: type | dict[str, type]) -> dict[str, type]:
+    return spec if isinstance(spec, dict) else {"": spec}
+
+
+def _build_parser(groups: dict[str, type], description: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file whose keys override the defaults below")
+    for group_name, cls in groups.items():
+        comments = _field_comments(cls)
+        group = parser.add_argument_group(group_name or "settings")
+        for field in dataclasses.fields(cls):
+            tp, _ = _unwrap_optional(typing.get_type_hints(cls)[field.name])
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
+                                      "help": f"{comments.get(field.name, '')} (default: {default})"}
+            if tp is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is list:
+                kwargs["nargs"] = "+"
+            else:
+                kwargs["metavar"] = getattr(tp, "__name__", "VALUE").upper()
+            group.add_argument(flag_name(field.name), **kwargs)
+    return parser
+
+
+def parse_config(spec: type | dict[str, type], argv: list[str] | None = None,
+                 description: str | None = None):
+    """Build config object(s) from defaults, an optional YAML file and command-line flags.
+
+    ``spec`` is a dataclass, or a dict ``{group_name: dataclass}`` whose field names are
+    unique across groups; the return value is then an instance, or a dict of instances.
+    A YAML file may be flat or nested by group name. Each instance's ``validate()``
+    method, if present, is called; any ConfigError exits 2 with one line.
+    """
+    groups = _groups(spec)
+    owner = {f.name: name for name, cls in groups.items() for f in dataclasses.fields(cls)}
+    parser = _build_parser(groups, description)
+    parser.error = lambda message: fail(message)  # one line, exit 2, no usage dump
+    args = vars(parser.parse_args(argv))
+    overrides: dict[str, Any] = {}
+    config_file = args.pop("config", None)
+    try:
+        if config_file:
+            overrides.update(_read_yaml(config_file, groups, owner))
+        overrides.update(args)
+        configs = {}
+        for name, cls in groups.items():
+            hints = typing.get_type_hints(cls)
+            values = {k: _coerce(k, hints[k], v) for k, v in overrides.items() if owner[k] == name}
+            configs[name] = cls(**values)
+            if hasattr(configs[name], "validate"):
+                configs[name].validate()
+        if len(configs) > 1:
+            for hook in {type(c).__dict__.get("validate_together") for c in configs.values()} - {None}:
+                hook(configs)
+    except ConfigError as err:
+        fail(str(err))
+    return configs[""] if "" in configs else configs
+
+
+def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("config", path, "no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError("config", path, f"not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", path, "must hold a mapping of field: value")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if key in groups and key and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                flat[str(sub_key).replace("-", "_")] = sub_value
+        else:
+            flat[key] = value
+    for key in flat:
+        if key not in owner:
+            raise ConfigError(key, flat[key], f"unknown key in {path}; known keys: {', '.join(sorted(owner))}")
+    return flat
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A plain dict of a config (or dict of configs), for YAML and checkpoints."""
+    if isinstance(config, dict):
+        return {name: to_dict(c) for name, c in config.items()}
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# Small validators shared by every script, so the messages read the same everywhere.
+
+def require(condition: bool, field: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ConfigError(field, value, allowed)
+
+
+def require_positive(config: Any, *fields: str) -> None:
+    for name in fields:
+        value = getattr(config, name)
+        if value is not None:
+            require(value > 0, name, value, "must be > 0")
+
+
+def require_env_id(env_id: str) -> None:
+    """Check that an env id is registered (importing common.envs registers the built-ins)."""
+    import gymnasium as gym
+
+    from common import envs  # noqa: F401  (registers built-in envs)
+
+    if env_id not in gym.registry:
+        close = [k for k in gym.registry if env_id.split("-")[0].lower() in k.lower()][:5]
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.registry for ids"
+        raise ConfigError("env_id", env_id, f"not a registered Gymnasium id{hint}")

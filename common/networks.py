@@ -1,0 +1,112 @@
+"""Actor-critic and Q networks, and flat parameter views for sharing weights between processes."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+# Argument validation costs more than the math for the tiny batches of a rollout step.
+torch.distributions.Distribution.set_default_validate_args(False)
+
+
+def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Linear:
+    """Orthogonal init, as in the PPO implementation details (Huang et al., 2022)."""
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, out_std: float,
+        activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [layer_init(nn.Linear(in_dim, width)), activation()]
+        in_dim = width
+    layers.append(layer_init(nn.Linear(in_dim, out_dim), std=out_std))
+    return nn.Sequential(*layers)
+
+
+def obs_dim(space: gym.Space) -> int:
+    return int(np.prod(space.shape))
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic MLPs for a Discrete or Box action space.
+
+    Discrete actions: a categorical over logits. Box actions: a diagonal Gaussian with a
+    state-independent log standard deviation; the sampled action is returned unclipped
+    (the rollout clips it to the bounds before stepping the env).
+    """
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space,
+                 hidden: tuple[int, ...] = (64, 64)):
+        super().__init__()
+        in_dim = obs_dim(observation_space)
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if not self.discrete and not isinstance(action_space, gym.spaces.Box):
+            raise ValueError(f"unsupported action space {action_space}")
+        out_dim = int(action_space.n) if self.discrete else int(np.prod(action_space.shape))
+        self.critic = mlp(in_dim, hidden, 1, out_std=1.0)
+        self.actor = mlp(in_dim, hidden, out_dim, out_std=0.01)
+        if not self.discrete:
+            self.actor_logstd = nn.Parameter(torch.zeros(1, out_dim))
+
+    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs.flatten(1)).squeeze(-1)
+
+    def distribution(self, obs: torch.Tensor):
+        out = self.actor(obs.flatten(1))
+        if self.discrete:
+            return Categorical(logits=out)
+        return Normal(out, self.actor_logstd.expand_as(out).exp())
+
+    def get_action_and_value(self, obs: torch.Tensor, action: torch.Tensor | None = None):
+        """Sample (or score a given) action: returns action, log-prob, entropy, value."""
+        dist = self.distribution(obs)
+        if action is None:
+            action = dist.sample()
+        logprob = dist.log_prob(action)
+        entropy = dist.entropy()
+        if not self.discrete:
+            logprob, entropy = logprob.sum(-1), entropy.sum(-1)
+        return action, logprob, entropy, self.get_value(obs)
+
+
+class QNetwork(nn.Module):
+    """An MLP from observation to one Q-value per discrete action."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space,
+                 hidden: tuple[int, ...] = (128, 128)):
+        super().__init__()
+        if not isinstance(action_space, gym.spaces.Discrete):
+            raise ValueError(f"DQN needs a Discrete action space, not {action_space}")
+        self.net = mlp(obs_dim(observation_space), hidden, int(action_space.n), out_std=1.0, activation=nn.ReLU)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs.flatten(1))
+
+
+def flat_size(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def write_flat_params(model: nn.Module, out: np.ndarray) -> None:
+    """Copy every parameter of ``model`` into the 1-D float32 array ``out`` (e.g. shared memory)."""
+    torch.from_numpy(out).copy_(nn.utils.parameters_to_vector(model.parameters()).detach().float().cpu())
+
+
+@torch.no_grad()
+def read_flat_params(model: nn.Module, flat: np.ndarray) -> None:
+    """Load parameters from a 1-D float32 array written by :func:`write_flat_params`."""
+    source = torch.from_numpy(flat)
+    offset = 0
+    for param in model.parameters():  # copy, never alias: the shared array changes under us
+        count = param.numel()
+        param.copy_(source[offset:offset + count].view_as(param))
+        offset += count

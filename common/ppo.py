@@ -1,0 +1,109 @@
+"""The PPO pieces shared by the two PPO scripts: GAE and the clipped-surrogate update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def compute_gae(rewards: np.ndarray, values: np.ndarray, terminations: np.ndarray,
+                truncations: np.ndarray, final_values: np.ndarray, next_values: np.ndarray,
+                gamma: float, gae_lambda: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalized advantage estimates and returns for a ``[T, N]`` rollout.
+
+    ``values[t]`` is V(s_t); ``next_values`` is V of the observation after the last
+    step. Episodes end with same-step autoreset, so at a done step ``t`` the successor
+    state is the episode's final observation, whose value is ``final_values[t]``. A
+    termination contributes no bootstrap; a truncation (time limit) bootstraps from
+    ``final_values[t]``, because the episode could have gone on.
+    """
+    steps = rewards.shape[0]
+    advantages = np.zeros_like(rewards, dtype=np.float32)
+    last_gae = np.zeros(rewards.shape[1:], dtype=np.float32)
+    for t in reversed(range(steps)):
+        following = next_values if t == steps - 1 else values[t + 1]
+        successor_value = np.where(truncations[t], final_values[t], following)
+        successor_value = successor_value * (1.0 - terminations[t])
+        delta = rewards[t] + gamma * successor_value - values[t]
+        episode_continues = 1.0 - (terminations[t] | truncations[t])
+        last_gae = delta + gamma * gae_lambda * episode_continues * last_gae
+        advantages[t] = last_gae
+    return advantages, advantages + values
+
+
+@dataclass
+class PPOSettings:
+    n_epochs: int
+    minibatch_size: int
+    clip_coef: float
+    clip_vloss: bool
+    ent_coef: float
+    vf_coef: float
+    max_grad_norm: float
+    norm_adv: bool = True
+    target_kl: float | None = None
+
+
+def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+               settings: PPOSettings, generator: torch.Generator | None = None,
+               after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+    """``n_epochs`` passes of minibatch PPO over a flat batch; returns the last epoch's statistics.
+
+    ``batch`` holds ``obs, actions, logprobs, advantages, returns, values`` with the
+    sample dimension first. ``after_backward`` runs between ``backward()`` and the
+    optimizer step (distributed training averages gradients there).
+    """
+    size = batch["obs"].shape[0]
+    clipfracs, approx_kl, old_approx_kl = [], torch.zeros(()), torch.zeros(())
+    pg_loss = v_loss = entropy_loss = torch.zeros(())
+    for _ in range(settings.n_epochs):
+        order = torch.randperm(size, generator=generator)
+        for start in range(0, size, settings.minibatch_size):
+            mb_inds = order[start:start + settings.minibatch_size]
+            _, newlogprob, entropy, newvalue = agent.get_action_and_value(
+                batch["obs"][mb_inds], batch["actions"][mb_inds])
+            logratio = newlogprob - batch["logprobs"][mb_inds]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                old_approx_kl = (-logratio).mean()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfracs.append(((ratio - 1.0).abs() > settings.clip_coef).float().mean().item())
+
+            mb_advantages = batch["advantages"][mb_inds]
+            if settings.norm_adv and mb_advantages.numel() > 1:
+                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            pg_loss1 = -mb_advantages * ratio
+            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - settings.clip_coef, 1 + settings.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+            mb_returns = batch["returns"][mb_inds]
+            if settings.clip_vloss:
+                mb_values = batch["values"][mb_inds]
+                v_clipped = mb_values + torch.clamp(newvalue - mb_values, -settings.clip_coef, settings.clip_coef)
+                v_loss = 0.5 * torch.max((newvalue - mb_returns) ** 2, (v_clipped - mb_returns) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((newvalue - mb_returns) ** 2).mean()
+
+            entropy_loss = entropy.mean()
+            loss = pg_loss - settings.ent_coef * entropy_loss + settings.vf_coef * v_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if after_backward is not None:
+                after_backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), settings.max_grad_norm)
+            optimizer.step()
+        if settings.target_kl is not None and approx_kl.item() > settings.target_kl:
+            break
+
+    returns, values = batch["returns"], batch["values"]
+    explained_var = float("nan")
+    var_returns = returns.var().item()
+    if var_returns > 0:
+        explained_var = 1.0 - (returns - values).var().item() / var_returns
+    return {"policy_loss": pg_loss.item(), "value_loss": v_loss.item(), "entropy": entropy_loss.item(),
+            "approx_kl": approx_kl.item(), "old_approx_kl": old_approx_kl.item(),
+            "clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0, "explained_variance": explained_var}

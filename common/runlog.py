@@ -1,0 +1,201 @@
+"""Run directories, log files, metrics.csv + TensorBoard, and progress display.
+
+Layout of a run directory (DESIGN.md): ``config.yaml``, ``logs/main.log``,
+``logs/worker_<i>.log``, ``metrics.csv``, ``tb/``, ``checkpoints/``, ``plots/``,
+``summary.json``. ``metrics.csv`` starts with the columns every mode shares so that
+``compare_results.py`` and a spreadsheet can read any run.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import logging
+import math
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+CORE_COLUMNS = ["wall_time", "global_step", "episodes", "episodic_return", "episodic_length", "sps"]
+EXIT_LOCKED = 3
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def default_run_dir(script: str, env_id: str, seed: int) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / script / f"{env_id.replace('/', '_')}__{seed}__{stamp}"
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run_dir>/.lock``; a second run in the same directory exits 3."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            return False
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_run_dir(run_dir: str | Path, logger_name: str = "prl") -> tuple[Path, RunLock]:
+    """Create the run directory tree, take its lock (exit 3 if held) and start logging."""
+    run_dir = Path(run_dir)
+    for sub in ("logs", "checkpoints", "plots"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)
+    if not lock.acquire():
+        print(f"error: another run holds the lock on {run_dir} (see {lock.path})", file=sys.stderr)
+        sys.exit(EXIT_LOCKED)
+    setup_logging(run_dir / "logs" / "main.log", logger_name, console=True)
+    return run_dir, lock
+
+
+def setup_logging(path: Path, logger_name: str = "prl", console: bool = False,
+                  level: int = logging.INFO) -> logging.Logger:
+    """Log to ``path`` (appending, so a resumed run keeps its history) and optionally stderr."""
+    root = logging.getLogger(logger_name.split(".")[0])
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    file_handler = logging.FileHandler(path, mode="a")
+    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(file_handler)
+    if console:
+        stream = logging.StreamHandler(sys.stderr)
+        stream.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        root.addHandler(stream)
+    root.propagate = False
+    return logging.getLogger(logger_name)
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.csv`` and mirrors every numeric value to TensorBoard.
+
+    On resume the CSV is reopened in append mode and TensorBoard continues at the saved
+    ``global_step``, so curves continue instead of restarting.
+    """
+
+    def __init__(self, run_dir: Path, extra_columns: list[str], tensorboard: bool = True,
+                 filename: str = "metrics.csv", tb_subdir: str = "tb"):
+        self.columns = CORE_COLUMNS + [c for c in extra_columns if c not in CORE_COLUMNS]
+        self.path = Path(run_dir) / filename
+        new_file = not self.path.exists() or self.path.stat().st_size == 0
+        if not new_file:
+            with open(self.path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header:
+                self.columns = header + [c for c in self.columns if c not in header]
+        self._file = open(self.path, "a", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=self.columns, extrasaction="ignore")
+        if new_file:
+            self._csv.writeheader()
+            self._file.flush()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / tb_subdir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: _csv_value(v) for k, v in row.items()}
+        self._csv.writerow(clean)
+        self._file.flush()
+        if self._tb is not None:
+            step = int(row.get("global_step", 0))
+            for key, value in row.items():
+                if key != "global_step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    self._tb.add_scalar(_tb_tag(key), value, step)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return value
+
+
+def _tb_tag(key: str) -> str:
+    if key.startswith(("episodic_", "episodes")):
+        return f"charts/{key}"
+    if key in ("sps", "wall_time", "cpu_percent", "rss_mb", "pss_mb", "collect_sps"):
+        return f"perf/{key}"
+    return f"train/{key}"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    tmp = Path(run_dir) / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, Path(run_dir) / "summary.json")
+
+
+class Progress:
+    """A tqdm bar when stderr is a terminal; otherwise one plain log line per interval.
+
+    Cron jobs and CI logs then get readable lines instead of carriage-return noise.
+    """
+
+    def __init__(self, total: float | None, unit: str, logger: logging.Logger,
+                 interval_s: float = 10.0, initial: float = 0):
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last_log = 0.0
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True, leave=True)
+        self.total, self.unit, self.done = total, unit, initial
+
+    def update(self, done: float, fields: dict[str, Any]) -> None:
+        text = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+        if self._bar is not None:
+            self._bar.update(done - self.done)
+            self._bar.set_postfix_str(text, refresh=False)
+        elif time.monotonic() - self._last_log >= self.interval_s:
+            self._last_log = time.monotonic()
+            of_total = f"/{int(self.total)}" if self.total else ""
+            self.logger.info("%s %d%s  %s", self.unit, done, of_total, text)
+        self.done = done
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
