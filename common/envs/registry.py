@@ -9,8 +9,12 @@ from __future__ import annotations
 import gymnasium as gym
 
 BUILTIN_ENVS: dict[str, dict] = {
-    # "Market-v0": {"entry_point": "common.envs.market:MarketEnv",
-    #               "vector_entry_point": "common.envs.market:MarketVectorEnv"},
+    "Market-v0": {"entry_point": "common.envs.market:MarketEnv",
+                  "vector_entry_point": "common.envs.market:MarketVectorEnv"},
+    "ConnectFour-v0": {"entry_point": "common.envs.connect_four:ConnectFourEnv",
+                       "vector_entry_point": "common.envs.connect_four:ConnectFourVectorEnv"},
+    "GridCoverage-v0": {"entry_point": "common.envs.grid_coverage:GridCoverageEnv",
+                        "vector_entry_point": "common.envs.grid_coverage:GridCoverageVectorEnv"},
 }
 
 

@@ -1,0 +1,85 @@
+"""Shared test helpers: run a script as a user would, and check nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SHM = Path("/dev/shm")
+
+
+def script_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_script(script: str, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python <script> args`` to completion; returns the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd or ROOT,
+                          env=script_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_script(script: str, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+    """Start a script in its own process group (as a terminal would), output to pipes."""
+    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd or ROOT,
+                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return path.exists()
+        time.sleep(0.1)
+    return False
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Every test must leave no new /dev/shm/prl_* segment and no child process behind."""
+    before = {p.name for p in SHM.glob("prl_*")} if SHM.is_dir() else set()
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = ({p.name for p in SHM.glob("prl_*")} if SHM.is_dir() else set()) - before
+        children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
+                    and "resource_tracker" not in " ".join(c.cmdline())]
+        if not left and not children:
+            return
+        time.sleep(0.2)
+    for name in left:
+        (SHM / name).unlink(missing_ok=True)
+    for child in children:
+        child.kill()
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    assert not children, f"processes left behind: {[c.pid for c in children]}"
