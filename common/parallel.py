@@ -15,8 +15,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("prl.parallel")
 CONTEXT = mp.get_context("spawn")
@@ -241,7 +242,7 @@ class GracefulExit:
         self.logger = logger or log
         self._previous = {}
 
-    def install(self) -> "GracefulExit":
+    def install(self) -> GracefulExit:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
         return self

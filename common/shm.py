@@ -16,7 +16,6 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
-
 import psutil
 
 SHM_DIR = Path("/dev/shm")
@@ -49,7 +48,7 @@ class SharedArray:
         self._closed = False
 
     @classmethod
-    def create(cls, what: str, shape, dtype, fill=0) -> "SharedArray":
+    def create(cls, what: str, shape, dtype, fill=0) -> SharedArray:
         if not re.fullmatch(r"[A-Za-z0-9_]+", what):
             raise ValueError(f"shared array name {what!r} must be letters, digits and _")
         shape = tuple(int(s) for s in np.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
@@ -63,7 +62,7 @@ class SharedArray:
         return shared
 
     @classmethod
-    def attach(cls, spec: ArraySpec) -> "SharedArray":
+    def attach(cls, spec: ArraySpec) -> SharedArray:
         segment = shared_memory.SharedMemory(name=spec.name, create=False)
         return cls(segment, spec, owner=False)
 
@@ -88,7 +87,7 @@ class SharedArray:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "SharedArray":
+    def __enter__(self) -> SharedArray:
         return self
 
     def __exit__(self, *exc) -> None:

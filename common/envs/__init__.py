@@ -10,8 +10,9 @@ numpy-vectorized form, that form is used instead of a Python loop over copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
