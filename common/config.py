@@ -201,7 +201,7 @@ def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dic
             flat[key] = value
     for key in flat:
         if key not in owner:
-            raise ConfigError(key, flat[key], f"unknown key in {path}; known keys: {', '.join(sorted(owner))}")
+            raise ConfigError("config", path, f"unknown key {key!r}; known keys: {', '.join(sorted(owner))}")
     return flat
 
 

@@ -21,15 +21,17 @@ def compute_gae(rewards: np.ndarray, values: np.ndarray, terminations: np.ndarra
     termination contributes no bootstrap; a truncation (time limit) bootstraps from
     ``final_values[t]``, because the episode could have gone on.
     """
+    terminations = np.asarray(terminations, dtype=np.float32)
+    truncations = np.asarray(truncations, dtype=np.float32)
     steps = rewards.shape[0]
     advantages = np.zeros_like(rewards, dtype=np.float32)
     last_gae = np.zeros(rewards.shape[1:], dtype=np.float32)
     for t in reversed(range(steps)):
         following = next_values if t == steps - 1 else values[t + 1]
-        successor_value = np.where(truncations[t], final_values[t], following)
+        successor_value = np.where(truncations[t] > 0, final_values[t], following)
         successor_value = successor_value * (1.0 - terminations[t])
         delta = rewards[t] + gamma * successor_value - values[t]
-        episode_continues = 1.0 - (terminations[t] | truncations[t])
+        episode_continues = (1.0 - terminations[t]) * (1.0 - truncations[t])
         last_gae = delta + gamma * gae_lambda * episode_continues * last_gae
         advantages[t] = last_gae
     return advantages, advantages + values

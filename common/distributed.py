@@ -1,0 +1,151 @@
+"""Multi-process / multi-node training under ``torchrun`` (``torch.distributed``), and its
+single-process stand-in, behind one small interface.
+
+A script calls :func:`from_environment`; when torchrun started it (``WORLD_SIZE`` and
+friends are set) it gets a :class:`TorchDistributed` (gloo on CPU, NCCL on GPU),
+otherwise a :class:`SingleProcess` whose methods do nothing. Every collective is
+wrapped so a dead peer surfaces as :class:`PeerFailure` with a clear message rather
+than a hang or a raw backend error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PRL_COLLECTIVE_TIMEOUT_S", "120"))
+
+
+class PeerFailure(RuntimeError):
+    """Another rank died or stopped answering."""
+
+
+class SingleProcess:
+    rank, world_size, local_rank, is_main = 0, 1, 0, True
+
+    def gradient_hook(self, model: torch.nn.Module) -> None:
+        return None  # nothing to average
+
+    def agree_on_path(self, path: Path) -> Path:
+        return path
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        pass
+
+    def gather_progress(self, steps: int, episodes: list[dict]) -> tuple[int, list[dict]]:
+        return steps, episodes
+
+    def agree_on_stop(self, reason: str | None) -> str | None:
+        return reason
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+
+class TorchDistributed:
+    """One rank of a torchrun job. Rank 0 decides (paths, when to stop); gradients are averaged."""
+
+    def __init__(self, device: str):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.is_main = self.rank == 0
+        use_cuda = device != "cpu" and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self.backend = backend
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, ConnectionError, OSError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PeerFailure(f"rank {self.rank}: {what} failed, another rank has probably died ({first[:160]})") \
+                from None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        self._call("broadcast", self.dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def agree_on_path(self, path: Path) -> Path:
+        return Path(self.broadcast_object(str(path)))
+
+    def broadcast_model(self, model: torch.nn.Module) -> None:
+        for tensor in model.state_dict().values():
+            self._call("parameter broadcast", self.dist.broadcast, tensor, src=0)
+
+    def gradient_hook(self, model: torch.nn.Module):
+        """A callable for ``ppo_update(after_backward=...)``: one flat all-reduce of every gradient."""
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def hook() -> None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._call("gradient all-reduce", self.dist.all_reduce, flat)
+            flat /= self.world_size
+            offset = 0
+            for p, g in zip(params, grads):
+                count = g.numel()
+                p.grad = flat[offset:offset + count].view_as(p).clone()
+                offset += count
+
+        return hook
+
+    def gather_progress(self, steps: int, episodes: list[dict]) -> tuple[int, list[dict]]:
+        gathered: list[Any] = [None] * self.world_size
+        self._call("progress gather", self.dist.all_gather_object, gathered, (steps, episodes))
+        return sum(s for s, _ in gathered), [e for _, eps in gathered for e in eps]
+
+    def agree_on_stop(self, reason: str | None) -> str | None:
+        return self.broadcast_object(reason)
+
+    def close(self, abort: bool = False) -> None:
+        if not self.dist.is_initialized():
+            return
+        if abort:
+            # A peer is gone: a barrier would wait for it until the timeout.
+            self.dist.destroy_process_group()
+            return
+        try:
+            self.dist.barrier()
+        except RuntimeError:
+            pass
+        self.dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def from_environment(device: str = "cpu") -> SingleProcess | TorchDistributed:
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return TorchDistributed(device)
+    return SingleProcess()
+
+
+def rank_logger(script: str, dist, run_dir: Path) -> logging.Logger:
+    """Rank 0 logs to the run directory (set up by open_run_dir); other ranks to stderr, tagged."""
+    logger = logging.getLogger(f"prl.{script}")
+    if not dist.is_main:
+        root = logging.getLogger("prl")
+        root.setLevel(logging.INFO)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist.rank}] %(message)s", "%H:%M:%S"))
+        root.handlers[:] = [handler]
+        root.propagate = False
+    return logger

@@ -1,0 +1,259 @@
+"""Unit tests of the common package: config, seeding, GAE, checkpoints, shared memory."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from common.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from common.config import ConfigError, parse_config, require
+from common.envs import make_vec_env
+from common.networks import ActorCritic, flat_size, read_flat_params, write_flat_params
+from common.ppo import compute_gae
+from common.shm import SHM_DIR as SHM, SharedArray, reclaim_stale_segments, segments_of
+from common.system import assign_devices, resolve_device, threads_per_process
+
+
+@dataclass
+class DemoConfig:
+    env_id: str = "CartPole-v1"  # which env
+    num_workers: int = 2  # processes
+    learning_rate: float = 3e-4  # step size
+    anneal_lr: bool = True  # decay
+    duration: float | None = None  # hours
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # widths
+
+    def validate(self):
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
+
+
+# ------------------------------------------------------------------ config
+
+def test_flags_override_defaults_and_types_are_coerced():
+    cfg = parse_config(DemoConfig, ["--num-workers", "4", "--learning-rate", "1e-3", "--no-anneal-lr",
+                                    "--duration", "0.5", "--hidden-sizes", "32", "16"])
+    assert cfg == DemoConfig("CartPole-v1", 4, 1e-3, False, 0.5, [32, 16])
+
+
+def test_yaml_overlays_defaults_and_flags_win_over_yaml(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("num_workers: 3\nlearning-rate: 0.01\nduration: null\n")
+    cfg = parse_config(DemoConfig, ["--config", str(file), "--num-workers", "5"])
+    assert (cfg.num_workers, cfg.learning_rate, cfg.duration) == (5, 0.01, None)
+
+
+def test_grouped_configs_accept_nested_yaml(tmp_path):
+    @dataclass
+    class Env:
+        top_n_items: int = 10  # items
+
+    file = tmp_path / "g.yaml"
+    file.write_text("env:\n  top_n_items: 7\ntrain:\n  num_workers: 1\n")
+    cfgs = parse_config({"env": Env, "train": DemoConfig}, ["--config", str(file)])
+    assert cfgs["env"].top_n_items == 7 and cfgs["train"].num_workers == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-workers", "-1"], "--num-workers -1: must be >= 0"),
+    (["--num-workers", "two"], "--num-workers 'two': must be an integer"),
+    (["--learning-rate", "fast"], "must be a number"),
+    (["--no-such-flag", "1"], "unrecognized arguments"),
+])
+def test_bad_values_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(DemoConfig, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_unknown_yaml_key_names_the_key(tmp_path, capsys):
+    file = tmp_path / "bad.yaml"
+    file.write_text("num_wrkers: 3\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(DemoConfig, ["--config", str(file)])
+    assert exit_info.value.code == 2
+    assert "num_wrkers" in capsys.readouterr().err
+
+
+def test_device_checks():
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ConfigError):
+        resolve_device("cuda:7" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}")
+    with pytest.raises(ConfigError):
+        resolve_device("tpu")
+    assert assign_devices(3, "cpu") == ["cpu"] * 3
+    assert threads_per_process(10**6) == 1
+
+
+# ------------------------------------------------------------------ envs
+
+def test_vector_env_seeding_is_deterministic_and_distinct_per_env():
+    def rollout(seed: int, first: int = 0):
+        envs = make_vec_env("CartPole-v1", 4, seed, first_index=first)
+        obs = [envs.reset()]
+        rng = np.random.default_rng(0)
+        for _ in range(50):
+            obs.append(envs.step(rng.integers(0, 2, 4)).obs)
+        envs.close()
+        return np.stack(obs)
+
+    a, b, c = rollout(7), rollout(7), rollout(8)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert len({tuple(row) for row in a[0]}) == 4  # four environments, four different starts
+
+
+def test_vector_env_reports_episodes_and_final_observation():
+    envs = make_vec_env("CartPole-v1", 2, seed=0)
+    envs.reset()
+    total = 0
+    for _ in range(200):
+        result = envs.step(np.zeros(2, dtype=np.int64))  # always push left: episodes end fast
+        for episode in result.episodes:
+            i = episode["env_index"]
+            assert result.terminations[i]
+            assert abs(result.final_obs[i][2]) > 0.2 or abs(result.final_obs[i][0]) > 2.4  # the failing state
+            assert abs(result.obs[i][2]) <= 0.05  # already the next episode's first observation
+            assert episode["length"] == episode["return"]
+            total += 1
+    assert total >= 10
+
+
+# ------------------------------------------------------------------ GAE
+
+def test_gae_matches_hand_computation_with_termination_and_truncation():
+    gamma, lam = 0.9, 0.8
+    # one env, 4 steps: step 1 ends by time limit (truncation), step 3 is the last of the rollout
+    rewards = np.array([[1.0], [2.0], [0.5], [1.0]], dtype=np.float32)
+    values = np.array([[0.5], [1.0], [0.2], [0.4]], dtype=np.float32)
+    terms = np.zeros((4, 1), dtype=np.float32)
+    truncs = np.array([[0], [1], [0], [0]], dtype=np.float32)
+    final_values = np.array([[0], [3.0], [0], [0]], dtype=np.float32)
+    next_values = np.array([0.6], dtype=np.float32)
+    adv, ret = compute_gae(rewards, values, terms, truncs, final_values, next_values, gamma, lam)
+    d3 = 1.0 + 0.9 * 0.6 - 0.4
+    d2 = 0.5 + 0.9 * 0.4 - 0.2
+    d1 = 2.0 + 0.9 * 3.0 - 1.0  # bootstraps from the truncated episode's final value
+    d0 = 1.0 + 0.9 * 1.0 - 0.5
+    a3 = d3
+    a2 = d2 + 0.9 * 0.8 * a3
+    a1 = d1  # the episode ended: nothing flows back across the boundary
+    a0 = d0 + 0.9 * 0.8 * a1
+    np.testing.assert_allclose(adv[:, 0], [a0, a1, a2, a3], rtol=1e-6)
+    np.testing.assert_allclose(ret, adv + values, rtol=1e-6)
+
+    terms[1], truncs[1] = 1, 0  # a termination never bootstraps
+    adv, _ = compute_gae(rewards, values, terms, truncs, final_values, next_values, gamma, lam)
+    assert adv[1, 0] == pytest.approx(2.0 - 1.0)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def test_checkpoint_round_trip_restores_model_optimizer_counters_and_rng(tmp_path):
+    import gymnasium as gym
+
+    space = gym.spaces.Box(-1, 1, (4,))
+    model = ActorCritic(space, gym.spaces.Discrete(2))
+    optim = torch.optim.Adam(model.parameters())
+    loss = model.get_value(torch.ones(3, 4)).sum()
+    loss.backward()
+    optim.step()
+    path = save_checkpoint({"model": model.state_dict(), "optimizer": optim.state_dict(), "global_step": 123,
+                            "rng": rng_state()}, tmp_path / "ck.pt")
+    expected = (torch.rand(3), np.random.rand(3))
+    state = load_checkpoint(path)
+    set_rng_state(state["rng"])
+    assert torch.equal(torch.rand(3), expected[0]) and np.array_equal(np.random.rand(3), expected[1])
+    fresh = ActorCritic(space, gym.spaces.Discrete(2))
+    fresh.load_state_dict(state["model"])
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert state["global_step"] == 123 and state["optimizer"]["state"]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = save_checkpoint({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "ck.pt")
+
+    def dies_half_way(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"model": {"w": torch.zeros(2)}, "step": 2}, path)
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # no temporary file left
+
+
+def test_loading_a_non_checkpoint_raises_a_clear_error(tmp_path):
+    bogus = tmp_path / "notes.pt"
+    bogus.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(bogus)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+
+
+# ------------------------------------------------------------------ shared memory
+
+def _child_writes(spec, value):
+    shared = SharedArray.attach(spec)
+    shared.array[:] = value
+    shared.close()
+
+
+def test_shared_array_is_seen_by_a_child_without_copying_and_cleaned_up():
+    with SharedArray.create("unit_test", (16,), np.float32) as shared:
+        name = shared.spec.name
+        assert name.startswith(f"prl_{os.getpid()}_") and (SHM / name).exists()
+        child = mp.get_context("spawn").Process(target=_child_writes, args=(shared.spec, 7.0))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        np.testing.assert_array_equal(shared.array, np.full(16, 7.0, np.float32))
+    assert not (SHM / name).exists()
+    shared.unlink()  # a second release is harmless
+
+
+def test_flat_parameters_travel_through_shared_memory():
+    import gymnasium as gym
+
+    space = gym.spaces.Box(-1, 1, (3,))
+    source, target = ActorCritic(space, gym.spaces.Discrete(2)), ActorCritic(space, gym.spaces.Discrete(2))
+    with SharedArray.create("unit_params", (flat_size(source),), np.float32) as shared:
+        write_flat_params(source, shared.array)
+        read_flat_params(target, shared.array)
+        shared.array[:] = 0  # the target holds a copy, not a view of the segment
+    for a, b in zip(source.parameters(), target.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_stale_segments_of_dead_processes_are_reclaimed(tmp_path):
+    dead = mp.get_context("spawn").Process(target=os.getpid)
+    dead.start()
+    dead.join()
+    stale = SHM / f"prl_{dead.pid}_leftover"
+    stale.write_bytes(b"x" * 64)
+    mine = SharedArray.create("still_mine", (4,), np.float32)
+    try:
+        reclaimed = reclaim_stale_segments()
+        assert stale.name in reclaimed and not stale.exists()
+        assert segments_of(os.getpid()) == [mine.spec.name]  # a live owner's segment is kept
+    finally:
+        mine.unlink()
+        stale.unlink(missing_ok=True)
+
