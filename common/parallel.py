@@ -262,3 +262,16 @@ class GracefulExit:
     @property
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else 0
+
+
+# The rollout-worker manager lives in common/manager.py; it is importable from here too,
+# lazily, because common.manager itself builds on this module.
+_MANAGER_NAMES = ("ParallelManager", "WorkerCommunicator", "ModelSynchronizer", "ManagerConfig", "WorkerSpec")
+
+
+def __getattr__(name: str):
+    if name in _MANAGER_NAMES:
+        from common import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
