@@ -455,7 +455,8 @@ class Worker:
                 metrics.write(self.metrics_row(stats, finished_eps, started, steps_at_start))
                 if st["global_step"] % cfg.checkpoint_every < n * num_steps:
                     self.save(f"worker_{self.index}_step_{st['global_step']}.pt")
-                if cfg.pbt_interval and st["global_step"] % cfg.pbt_interval < n * num_steps:
+                if (cfg.pbt_interval and st["global_step"] % cfg.pbt_interval < n * num_steps
+                        and st["global_step"] < cfg.max_steps_per_worker):
                     self.pbt_step()
                 self.poll_commands()
         finally:
