@@ -118,6 +118,9 @@ class WorkerPool:
         self.num_workers = num_workers
         self.total_restarts = 0
         self._closed = False
+        # Replies that arrived during a gather interrupted by another worker's death are
+        # kept here, so the next gather does not wait for a message already received.
+        self._inbox: dict[int, tuple[str, Any]] = {}
 
     def _spawn(self, index: int) -> WorkerHandle:
         parent_conn, child_conn = CONTEXT.Pipe()
@@ -162,6 +165,10 @@ class WorkerPool:
         """
         pending = set(indices)
         replies: dict[int, Any] = {}
+        for index in list(pending):
+            if index in self._inbox and self._inbox[index][0] == expect:
+                replies[index] = self._inbox.pop(index)[1]
+                pending.discard(index)
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
@@ -186,8 +193,11 @@ class WorkerPool:
                     handle.process.join(timeout=5.0)
                     raise WorkerDied(index, f"raised an exception:\n{payload}")
                 if command == expect:
-                    replies[index] = payload
+                    self._inbox[index] = (command, payload)
                     pending.discard(index)
+        for index in indices:
+            if index in self._inbox and index not in replies:
+                replies[index] = self._inbox.pop(index)[1]
         return replies
 
     def restart(self, index: int) -> None:
@@ -196,6 +206,7 @@ class WorkerPool:
         if old.restarts >= self.max_restarts:
             raise TooManyRestarts(f"{self.name} {index} died {old.restarts + 1} times; giving up")
         self._reap(old)
+        self._inbox.pop(index, None)
         fresh = self._spawn(index)
         fresh.restarts = old.restarts + 1
         self.workers[index] = fresh
