@@ -761,9 +761,9 @@ def perturb(hyper: dict[str, float], amount: float, rng: np.random.Generator) ->
     for name, value in hyper.items():
         factor = 1.0 + amount * rng.choice([-1.0, 1.0])
         if name in ("gamma", "gae_lambda"):
-            out[name] = float(min(0.9999, 1.0 - (1.0 - value) * factor))
+            out[name] = round(min(0.9999, 1.0 - (1.0 - value) * factor), 6)
         else:
-            out[name] = float(value * factor)
+            out[name] = float(f"{value * factor:.6g}")
     return out
 
 
