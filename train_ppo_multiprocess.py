@@ -600,6 +600,7 @@ class Coordinator:
         config_dict = to_dict(cfg)
         self.rng = np.random.default_rng(self.train_cfg.seed + 17)
         self.pbt_events: list[dict] = []
+        self.metrics: MetricsWriter | None = None
 
         def args_for(index: int) -> tuple:
             # Called at start and on every restart: always continue from the newest checkpoint.
@@ -690,7 +691,7 @@ class Coordinator:
         elif command == "done":
             status.result = payload
             status.step, status.episodes = payload["step"], payload["episodes"]
-            status.recent_return = payload["recent_return"]
+            status.recent_return, status.sps = payload["recent_return"], payload["sps"]
             self.log.info("worker %d done at step %d (%s)", index, payload["step"],
                           "finished" if payload["finished"] else f"stopped: {payload['stop_reason']}")
         elif command == "pbt_ready":
@@ -753,6 +754,21 @@ class Coordinator:
         for index, s in enumerate(self.status):
             self.log.info("  worker %d: step %d, episodes %d, recent return %.3f, %.0f steps/s%s", index, s.step,
                           s.episodes, s.recent_return, s.sps, " (given up)" if s.gave_up else "")
+        self.write_metrics(elapsed, sum(s.sps for s in self.status if s.active))
+
+    def write_metrics(self, elapsed: float, sps: float) -> None:
+        """One row of the population's totals in metrics.csv (the core columns every mode shares)."""
+        if self.metrics is None:
+            self.metrics = MetricsWriter(self.run_dir, ["workers_running", "workers_finished", "restarts"],
+                                         tensorboard=self.train_cfg.tensorboard, tb_subdir="tb/population")
+        returns = [s.recent_return for s in self.status if math.isfinite(s.recent_return)]
+        self.metrics.write({
+            "wall_time": elapsed, "global_step": sum(s.step for s in self.status),
+            "episodes": sum(s.episodes for s in self.status),
+            "episodic_return": float(np.mean(returns)) if returns else math.nan, "episodic_length": math.nan,
+            "sps": sps, "workers_running": sum(s.active for s in self.status),
+            "workers_finished": sum(bool(s.result and s.result["finished"]) for s in self.status),
+            "restarts": self.pool.total_restarts})
 
 
 def perturb(hyper: dict[str, float], amount: float, rng: np.random.Generator) -> dict[str, float]:
@@ -923,18 +939,13 @@ def finish(cfg, coordinator: Coordinator, data, item_indices, run_dir: Path, rea
         log.info("  worker %d: %s at step %d, episodes %d, recent return %.3f, restarts %d%s", index, state, s.step,
                  s.episodes, s.recent_return, coordinator.pool.workers[index].restarts,
                  f", failures: {'; '.join(s.failures)}" if s.failures else "")
-    metrics = MetricsWriter(run_dir, ["workers_finished", "restarts"], tensorboard=cfg["TRAIN_KWARGS"].tensorboard,
-                            tb_subdir="tb/population")
-    returns = [s.recent_return for s in status if math.isfinite(s.recent_return)]
-    metrics.write({"wall_time": seconds, "global_step": total_steps, "episodes": sum(s.episodes for s in status),
-                   "episodic_return": float(np.mean(returns)) if returns else math.nan, "episodic_length": math.nan,
-                   "sps": total_steps / max(seconds, 1e-9),
-                   "workers_finished": sum(bool(s.result and s.result["finished"]) for s in status),
-                   "restarts": coordinator.pool.total_restarts})
-    metrics.close()
+    training_sps = sum(s.sps for s in status)  # each worker's steps over its own training time, summed
+    coordinator.write_metrics(seconds, training_sps)
+    coordinator.metrics.close()
     write_summary(run_dir, {
         "script": SCRIPT, "stop_reason": reason, "exit_code": exit_code, "wall_time_s": round(seconds, 3),
         "total_steps": total_steps, "sps": round(total_steps / max(seconds, 1e-9), 1),
+        "training_sps": round(training_sps, 1),
         "restarts": coordinator.pool.total_restarts, "cache": cache_info, "item_indices": item_indices,
         "workers": [{**asdict(s), "restarts": coordinator.pool.workers[i].restarts} for i, s in enumerate(status)],
         "leaderboard": ranked, "random_baseline": baseline, "pbt_events": coordinator.pbt_events,
