@@ -434,7 +434,7 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
     recent = deque(progress_state["recent_returns"], maxlen=100)
     metrics = MetricsWriter(run_dir, ["return_mean100", "collect_sps", "learning_rate", "policy_loss", "value_loss",
                                       "entropy", "approx_kl", "clipfrac", "explained_variance", "cpu_percent",
-                                      "rss_mb", "pss_mb", "worker_restarts", "world_size"],
+                                      "rss_mb", "pss_mb", "worker_restarts", "world_size", "params_hash"],
                             tensorboard=cfg.tensorboard) if dist.is_main else None
     sampler = ProcessTreeSampler()
     progress = Progress(cfg.total_timesteps, "steps", log, cfg.log_interval_s,
@@ -457,13 +457,17 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
         collect_start = time.perf_counter()
         episodes, steps = collector.collect()
         collect_seconds = time.perf_counter() - collect_start
-        if graceful.requested:
+        if dist.any_rank(graceful.requested):
             reason = "interrupted"
             break  # the rollout in flight is finished; skip its update and save
 
         batch = make_batch(cfg, buf, device)
         stats = ppo_update(agent, optimizer, batch, settings, generator, grad_hook)
-        total_steps, all_episodes = dist.gather_progress(steps, episodes)
+        params_hash = distributed.params_digest(agent) if dist.world_size > 1 else ""
+        total_steps, all_episodes, ranks_in_sync = dist.gather_progress(steps, episodes, params_hash)
+        if not ranks_in_sync:
+            log.error("ranks hold different parameters after update %d", gs["update"] + 1)
+            return EXIT_FAILED
         gs["global_step"] += total_steps
         gs["update"] += 1
         gs["episodes"] += len(all_episodes)
@@ -485,7 +489,7 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
                    "learning_rate": optimizer.param_groups[0]["lr"], **stats,
                    "cpu_percent": resources.cpu_percent, "rss_mb": resources.rss_bytes / 2**20,
                    "pss_mb": resources.pss_bytes / 2**20, "worker_restarts": collector.restarts,
-                   "world_size": dist.world_size}
+                   "world_size": dist.world_size, "params_hash": params_hash}
             metrics.write(row)
             progress.update(gs["global_step"], {"return100": mean100, "sps": round(row["sps"]),
                                                 "restarts": collector.restarts})
@@ -508,7 +512,7 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
 
     if progress is not None:
         progress.close()
-    log.info("stopping: %s", reason)
+    log.info("stopping after update %d: %s", gs["update"], reason)
     save_training_checkpoint(cfg, dist, agent, optimizer, gs, run_dir, log)
     if dist.is_main:
         metrics.close()

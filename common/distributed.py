@@ -41,11 +41,14 @@ class SingleProcess:
     def broadcast_model(self, model: torch.nn.Module) -> None:
         pass
 
-    def gather_progress(self, steps: int, episodes: list[dict]) -> tuple[int, list[dict]]:
-        return steps, episodes
+    def gather_progress(self, steps: int, episodes: list[dict], params_hash: str = "") -> tuple[int, list[dict], bool]:
+        return steps, episodes, True
 
     def agree_on_stop(self, reason: str | None) -> str | None:
         return reason
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
 
     def close(self, abort: bool = False) -> None:
         pass
@@ -106,13 +109,23 @@ class TorchDistributed:
 
         return hook
 
-    def gather_progress(self, steps: int, episodes: list[dict]) -> tuple[int, list[dict]]:
+    def gather_progress(self, steps: int, episodes: list[dict], params_hash: str = "") -> tuple[int, list[dict], bool]:
+        """Sum of env steps and all finished episodes over ranks, and whether every rank's
+        parameters hash the same (they must, after identical averaged updates)."""
         gathered: list[Any] = [None] * self.world_size
-        self._call("progress gather", self.dist.all_gather_object, gathered, (steps, episodes))
-        return sum(s for s, _ in gathered), [e for _, eps in gathered for e in eps]
+        self._call("progress gather", self.dist.all_gather_object, gathered, (steps, episodes, params_hash))
+        in_sync = len({h for _, _, h in gathered}) == 1
+        return sum(s for s, _, _ in gathered), [e for _, eps, _ in gathered for e in eps], in_sync
 
     def agree_on_stop(self, reason: str | None) -> str | None:
+        """Rank 0's decision (deadline, target reached) holds for every rank."""
         return self.broadcast_object(reason)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (a signal that reached only some ranks)."""
+        tensor = torch.tensor([1.0 if flag else 0.0])
+        self._call("flag all-reduce", self.dist.all_reduce, tensor, op=self.dist.ReduceOp.MAX)
+        return bool(tensor.item() > 0)
 
     def close(self, abort: bool = False) -> None:
         if not self.dist.is_initialized():
@@ -149,3 +162,13 @@ def rank_logger(script: str, dist, run_dir: Path) -> logging.Logger:
         root.handlers[:] = [handler]
         root.propagate = False
     return logger
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """A short hash of every parameter's bytes: equal on all ranks iff they are bit-identical."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

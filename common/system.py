@@ -62,8 +62,12 @@ def gpus() -> list[dict]:
 
 
 def threads_per_process(num_processes: int) -> int:
-    """Torch threads for each of ``num_processes`` busy processes so they never oversubscribe."""
-    return max(1, usable_cores() // max(1, num_processes))
+    """Torch threads for each of ``num_processes`` busy processes so they never oversubscribe.
+
+    Under torchrun, the ranks on this machine (``LOCAL_WORLD_SIZE``) share the cores too.
+    """
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, usable_cores() // max(1, num_processes * local_ranks))
 
 
 def resolve_device(spec: str, field: str = "device") -> str:

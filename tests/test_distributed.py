@@ -1,0 +1,88 @@
+"""train_parallel_timed.py under torchrun (2 ranks on CPU, gloo): decentralized distributed PPO."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, script_env
+
+TINY = ["--env-id", "CartPole-v1", "--num-workers", "1", "--num-envs-per-worker", "4", "--n-steps", "32",
+        "--batch-size", "64", "--no-tensorboard", "--target-return", "none"]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "train_parallel_timed.py"), *map(str, args)]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_stay_identical_and_only_rank_0_writes(tmp_path):
+    run_dir = tmp_path / "dd"
+    result = subprocess.run(torchrun(*TINY, "--total-timesteps", 2560, "--output-dir", run_dir),
+                            env=script_env(), capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = rows(run_dir)
+    per_update = 2 * 32 * 4  # both ranks' env steps count
+    assert [int(r["global_step"]) for r in metrics] == [per_update * (i + 1) for i in range(len(metrics))]
+    assert all(r["world_size"] == "2" for r in metrics)
+    # Every update compared both ranks' parameter hashes; a mismatch would have failed the run.
+    assert len({r["params_hash"] for r in metrics}) == len(metrics)  # parameters change every update...
+    assert "ranks hold different parameters" not in result.stderr  # ...identically on both ranks
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest.pt"]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["main.log"]
+    log = (run_dir / "logs" / "main.log").read_text()
+    assert "world size 2" in log and "[rank 1]" not in log
+    stops = re.findall(r"(\[rank 1\] )?stopping after update (\d+)", result.stderr)
+    assert len(stops) == 2 and stops[0][1] == stops[1][1]
+
+
+@pytest.mark.timeout(180)
+def test_duration_stops_both_ranks_after_the_same_update(tmp_path):
+    run_dir = tmp_path / "timed"
+    result = subprocess.run(torchrun(*TINY, "--total-timesteps", 10**9, "--duration", 4 / 3600,
+                                     "--output-dir", run_dir), env=script_env(), capture_output=True, text=True,
+                            timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    stops = re.findall(r"(\[rank 1\] )?stopping after update (\d+): duration", result.stderr)
+    assert len(stops) == 2 and stops[0][1] == stops[1][1], result.stderr
+    assert int(stops[0][1]) == len(rows(run_dir))
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_ends_the_job_with_an_error(tmp_path):
+    run_dir = tmp_path / "killed"
+    env = script_env()
+    env["PRL_COLLECTIVE_TIMEOUT_S"] = "30"
+    proc = subprocess.Popen(torchrun(*TINY, "--total-timesteps", 10**9, "--output-dir", run_dir), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ((run_dir / "metrics.csv").exists() and len(rows(run_dir)) >= 3):
+            time.sleep(0.2)
+        assert len(rows(run_dir)) >= 3
+        ranks = [c for c in psutil.Process(proc.pid).children() if "train_parallel_timed" in " ".join(c.cmdline())]
+        rank_1 = next(c for c in ranks if c.environ().get("RANK") == "1")
+        rank_1.kill()
+        killed = time.monotonic()
+        status = proc.wait(60)
+        assert status != 0
+        assert time.monotonic() - killed < 45
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        proc.stdout.close()
