@@ -317,6 +317,11 @@ def worker_process(index: int, conn, setup: WorkerSetup) -> None:
     finally:
         for handle in handles:
             handle.close()
+    # Everything is saved and reported; skip the interpreter's teardown of torch, which takes
+    # seconds on a busy machine and would hold up the coordinator's exit.
+    logging.shutdown()
+    conn.close()
+    os._exit(0)
 
 
 class Worker:
