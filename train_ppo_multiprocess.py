@@ -592,7 +592,12 @@ class WorkerStatus:
 
 
 class Coordinator:
-    """Starts the workers, logs their reports, restarts crashed ones, stops them on a signal or budget."""
+    """Starts the workers, logs their reports, restarts crashed ones, stops them on a signal or budget.
+
+    Each worker reports through its own pipe rather than one shared queue: a worker killed
+    with ``kill -9`` halfway through a write can then neither corrupt nor lock the channel
+    the other workers report through.
+    """
 
     def __init__(self, cfg: dict[str, Any], run_dir: Path, data_specs, item_indices, devices: list[str],
                  hypers: list[dict], init_path: str | None, log: logging.Logger):
