@@ -750,6 +750,9 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
             last_good = save_training_checkpoint(cfg, learner, replay, gs, run_dir, log)
             last_checkpoint, last_saved_episodes = now, gs["episodes"]
 
+    if window["episodes"] or window["updates"]:  # the last partial interval, so the CSV ends where the run did
+        write_row(cfg, metrics, progress, sampler, window, gs, replay, actors, shared, version, learner.updates,
+                  mean100, coverage100, recent_coverage, time.monotonic())
     progress.close()
     gs["recent_returns"], gs["recent_coverage"] = list(recent_returns), list(recent_coverage)
     gs["samples_trained"] += samples_base

@@ -249,10 +249,18 @@ def test_nan_loss_exits_1_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--mixed-precision", "fp16", "--device", "cpu"], "--mixed-precision"),
     (["--resume", "/nonexistent.pth"], "no such checkpoint"),
     (["--batch-size", "lots"], "--batch-size"),
+    (["--buffer-size", "10", "--envs-per-worker", "16"], "--buffer-size"),
 ])
-def test_bad_input_one_line_exit_2_nothing_written(tmp_path, args, message):
-    proc = run_script(SCRIPT, *args, "--output-dir", tmp_path / "run", timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        ultra().main([*args, "--output-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    proc = run_script(SCRIPT, "--learning-rate", "-1", "--output-dir", tmp_path / "run", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --learning-rate -1.0: must be > 0", proc.stderr
     assert not (tmp_path / "run").exists()

@@ -1,0 +1,161 @@
+"""Benchmarks of ultra_parallel_train_dqn.py; each writes a markdown table to benchmarks/results/.
+
+    python benchmarks/bench_ultra.py solve        # CartPole-v1 time to solve, 5 seeds, async mode
+    python benchmarks/bench_ultra.py coverage     # GridCoverage-v0 mean coverage within 10 minutes
+    python benchmarks/bench_ultra.py throughput   # env steps/s and learner updates/s: 1 vs 2 actors, async vs sync
+
+Every table records the machine's load average before and after each run: on a shared
+machine the numbers are only comparable at similar load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "ultra_parallel_train_dqn.py"
+RESULTS = ROOT / "benchmarks" / "results"
+CARTPOLE = ROOT / "configs" / "ultra_cartpole.yaml"
+GRID = ROOT / "configs" / "ultra_grid_coverage.yaml"
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}"
+
+
+def run(args: list[str], timeout: float) -> dict:
+    """Run the script once in a fresh directory; returns summary.json, metrics rows and timings."""
+    with tempfile.TemporaryDirectory(prefix="bench_ultra_") as tmp:
+        run_dir = Path(tmp) / "run"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        before = load()
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--output-dir", str(run_dir), "--no-tensorboard"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        process_s = time.monotonic() - started
+        if proc.returncode != 0:
+            raise RuntimeError(f"run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+    return {"summary": summary, "rows": rows, "process_s": process_s, "load_before": before, "load_after": load()}
+
+
+def first_at_least(rows: list[dict], key: str, threshold: float) -> dict | None:
+    return next((r for r in rows if r.get(key) and float(r[key]) >= threshold), None)
+
+
+def write(name: str, title: str, command: str, lines: list[str]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    text = [f"# {title}", "", f"Command: `{command}`", "", f"Machine: {machine()}",
+            f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            "Load averages (1/5/15 min) are from `os.getloadavg()` before and after each run; a load above the",
+            "core count means other work shared the cores and the times are pessimistic.", "", *lines, ""]
+    path.write_text("\n".join(text))
+    print("\n".join(text))
+    return path
+
+
+def bench_solve(seeds: int, budget_s: float) -> None:
+    lines = ["| seed | solved | time to solve (s, training clock) | process wall (s) | env steps | updates | "
+             "load before | load after |", "|---|---|---|---|---|---|---|---|"]
+    times = []
+    for seed in range(1, seeds + 1):
+        result = run(["--config", str(CARTPOLE), "--async-training", "--seed", str(seed),
+                      "--duration", str(budget_s / 3600)], timeout=budget_s + 120)
+        s = result["summary"]
+        solved = s["stop_reason"].startswith("target return")
+        t = s["wall_time_s"] if solved else float("inf")
+        times.append(t)
+        lines.append(f"| {seed} | {'yes' if solved else 'no'} | {t:.1f} | {result['process_s']:.1f} | "
+                     f"{s['global_step']} | {s['updates']} | {result['load_before']} | {result['load_after']} |")
+    median = statistics.median(times)
+    lines += ["", f"**Median time to solve: {median:.1f} s** (target: at most 15 s on 2 cores). The training clock "
+              "starts once every actor process is up; process wall adds interpreter, torch import and actor start-up."]
+    write("ultra_cartpole_solve", "CartPole-v1 solved (mean of last 100 training episodes >= 475), async mode",
+          f"python benchmarks/bench_ultra.py solve --seeds {seeds}", lines)
+
+
+def bench_coverage(minutes: float) -> None:
+    result = run(["--config", str(GRID), "--duration", str(minutes / 60)], timeout=minutes * 60 + 180)
+    s, rows = result["summary"], result["rows"]
+    reached = first_at_least(rows, "coverage_mean100", 0.95)
+    lines = ["| minutes | final mean coverage (last 100) | 95 % reached at (s) | env steps | episodes | updates | "
+             "load before | load after |", "|---|---|---|---|---|---|---|---|",
+             f"| {minutes:g} | {100 * (s['final_mean_coverage'] or 0):.1f} % | "
+             f"{float(reached['wall_time']):.0f}" if reached else f"| {minutes:g} | "
+             f"{100 * (s['final_mean_coverage'] or 0):.1f} % | not reached"]
+    lines[-1] += f" | {s['global_step']} | {s['episodes']} | {s['updates']} | {result['load_before']} | " \
+                 f"{result['load_after']} |"
+    lines += ["", "Target: mean coverage at least 95 % within 10 minutes on 2 cores, default grid size.",
+              f"Stop reason: {s['stop_reason']}."]
+    write("ultra_grid_coverage", "GridCoverage-v0 coverage within a time budget",
+          f"python benchmarks/bench_ultra.py coverage --minutes {minutes:g}", lines)
+
+
+def bench_throughput(seconds: float) -> None:
+    learner = ["--config", str(CARTPOLE), "--target-return", "none", "--n-episodes", "100000000",
+               "--duration", str(seconds / 3600), "--eps-end", "0.02"]
+    lines = ["| actors | mode | env steps/s | learner updates/s | learner samples/s | policy lag | load before | "
+             "load after |", "|---|---|---|---|---|---|---|---|"]
+    results = {}
+    for workers in (1, 2):
+        for mode, flags in (("sync", ["--no-async-training"]), ("async", ["--async-training"]),
+                            ("async, no rate limit", ["--async-training", "--no-rate-limit"])):
+            r = run([*learner, "--n-workers", str(workers), *flags], timeout=seconds + 120)
+            s, rows = r["summary"], r["rows"]
+            steady = rows[len(rows) // 4:] or rows  # skip the warm-up before learning starts
+            updates = statistics.mean(float(x["updates_per_s"]) for x in steady)
+            samples = statistics.mean(float(x["samples_per_s"]) for x in steady)
+            lag = statistics.mean(float(x["policy_lag"]) for x in steady)
+            results[(workers, mode)] = s["sps"]
+            lines.append(f"| {workers} | {mode} | {s['sps']:.0f} | {updates:.0f} | {samples:.0f} | {lag:.1f} | "
+                         f"{r['load_before']} | {r['load_after']} |")
+    lines.append("")
+    for workers in (1, 2):
+        ratio = results[(workers, "async")] / max(1e-9, results[(workers, "sync")])
+        lines.append(f"- {workers} actor(s): async / sync env steps/s = **{ratio:.2f}x** at equal learner settings "
+                     f"(replay ratio, batch, network); target at least 1.5x.")
+    lines += ["", "Env steps/s is over the whole run (steps / training wall time); updates/s and samples/s average the "
+              "metrics rows after the first quarter (learning starts after the warm-up). Learner settings: "
+              "configs/ultra_cartpole.yaml, replay ratio 8. 'no rate limit' lets actors run free (Ape-X); the "
+              "default async mode holds actors to the replay ratio like the sync mode does."]
+    write("ultra_throughput", f"Actor and learner throughput, CartPole-v1, {seconds:g} s per run",
+          f"python benchmarks/bench_ultra.py throughput --seconds {seconds:g}", lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["solve", "coverage", "throughput", "all"])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--solve-budget-s", type=float, default=120.0, help="give up on a seed after this long")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of each throughput run")
+    args = parser.parse_args()
+    if args.what in ("solve", "all"):
+        bench_solve(args.seeds, args.solve_budget_s)
+    if args.what in ("throughput", "all"):
+        bench_throughput(args.seconds)
+    if args.what in ("coverage", "all"):
+        bench_coverage(args.minutes)
+
+
+if __name__ == "__main__":
+    main()
