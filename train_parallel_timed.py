@@ -72,6 +72,7 @@ class Config:
     num_envs_per_worker: int = 8  # environments each worker steps (the main process, with 0 workers)
     n_steps: int = 256  # steps per environment per rollout
     total_timesteps: int = 5_000_000  # stop after this many env steps (all workers together)
+    total_episodes: int | None = None  # also stop after this many finished episodes
     duration: float | None = 0.2  # hours of wall time for this invocation; stops after the update in flight
     target_return: float | None = 200.0  # stop once the mean of the last 100 episode returns reaches this
     learning_rate: float = 1e-3  # Adam step size (annealed linearly to 0 over total_timesteps when anneal_lr)
@@ -100,8 +101,9 @@ class Config:
     def validate(self) -> None:
         require_env_id(self.env_id)
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = sequential)")
-        require_positive(self, "num_envs_per_worker", "n_steps", "total_timesteps", "duration", "learning_rate",
-                         "batch_size", "n_epochs", "checkpoint_interval_s", "log_interval_s", "worker_timeout_s")
+        require_positive(self, "num_envs_per_worker", "n_steps", "total_timesteps", "total_episodes", "duration",
+                         "learning_rate", "batch_size", "n_epochs", "checkpoint_interval_s", "log_interval_s",
+                         "worker_timeout_s")
         rollout = self.n_steps * self.total_envs
         require(rollout % self.batch_size == 0, "batch_size", self.batch_size,
                 f"must divide the rollout of n_steps * envs = {self.n_steps} * {self.total_envs} = {rollout}")
@@ -502,6 +504,8 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
             stop = f"target return {cfg.target_return} reached (mean of last 100 = {mean100:.1f})"
         elif now >= deadline:
             stop = f"duration of {cfg.duration} h reached"
+        elif cfg.total_episodes is not None and gs["episodes"] >= cfg.total_episodes:
+            stop = f"episode budget of {cfg.total_episodes} reached"
         stop = dist.agree_on_stop(stop)
         if stop:
             reason = stop
