@@ -407,13 +407,15 @@ class Worker:
         logprobs, values, rewards, final_values = (np.zeros((num_steps, n), dtype=np.float32) for _ in range(4))
         terminations, truncations = (np.zeros((num_steps, n), dtype=bool) for _ in range(2))
         metrics = MetricsWriter(self.run_dir, ["worker", "learning_rate", "policy_loss", "value_loss", "entropy",
-                                               "approx_kl", "clipfrac", "explained_variance", "net_worth", "trades"],
+                                               "approx_kl", "clipfrac", "explained_variance", "net_worth", "trades",
+                                               "cpu_sps"],
                                 tensorboard=cfg.tensorboard, filename=f"metrics_worker_{self.index}.csv",
                                 tb_subdir=f"tb/worker_{self.index}")
         self.log.info("worker %d: pid %d, device %s, %d envs, hyperparameters %s", self.index, os.getpid(),
                       self.device, n, self.hyper)
         self.send("started", {"pid": os.getpid(), "step": st["global_step"], "hyper": self.hyper})
         started, steps_at_start = time.monotonic(), st["global_step"]
+        self.cpu_start = time.process_time()
         wall_offset = st["wall_time"]
         next_report = (st["global_step"] // cfg.progress_every + 1) * cfg.progress_every
         generator = torch.Generator().manual_seed(cfg.seed + self.index * 7919 + st["updates"])
@@ -493,6 +495,8 @@ class Worker:
         return {"wall_time": st["wall_time"], "global_step": st["global_step"], "episodes": st["episodes"],
                 "episodic_return": mean("return"), "episodic_length": mean("length"),
                 "sps": (st["global_step"] - steps_at_start) / max(1e-9, time.monotonic() - started),
+                # per CPU-second of this process: what the rate would be with a core to itself
+                "cpu_sps": (st["global_step"] - steps_at_start) / max(1e-9, time.process_time() - self.cpu_start),
                 "worker": self.index, "learning_rate": self.optimizer.param_groups[0]["lr"], **stats,
                 "net_worth": mean("net_worth"), "trades": mean("trades")}
 

@@ -4,6 +4,9 @@
    thread each, so that 2 workers on 2 cores should approach twice the 1-worker rate. The
    rate of a worker is its steps divided by its training time (from its first rollout to its
    last update, as logged in metrics_worker_<i>.csv); process start-up is reported apart.
+   On a machine shared with other work the wall-clock ratio says more about the others than
+   about this script, so the table also gives each worker's steps per second of its own CPU
+   time (the rate it would reach with a free core).
 2. Memory: peak proportional set size (PSS) of the whole process tree with a >= 1 GB market
    cache, 1 worker vs 4 workers. PSS splits a shared page among the processes mapping it, so
    a cache that is shared, not copied, adds little per extra worker. The same two runs with a
@@ -65,17 +68,17 @@ def run_training(out: Path, *args: str, sample_memory: bool = False) -> dict:
     return {"summary": summary, "wall_s": wall, "peak_pss": peak_pss}
 
 
-def worker_rates(out: Path, workers: int) -> list[float]:
+def worker_rates(out: Path, workers: int, column: str = "sps") -> list[float]:
     rates = []
     for i in range(workers):
         with open(out / f"metrics_worker_{i}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
-        rates.append(float(rows[-1]["sps"]))
+        rates.append(float(rows[-1][column]))
     return rates
 
 
 def bench_throughput(work: Path, steps: int, cache_dir: Path) -> list[list[str]]:
-    rows, base = [], None
+    rows, base, cpu_base = [], None, None
     for workers in (1, 2):
         out = work / f"throughput_{workers}"
         result = run_training(out, "--num-workers", str(workers), "--threads-per-worker", "1",
@@ -87,6 +90,11 @@ def bench_throughput(work: Path, steps: int, cache_dir: Path) -> list[list[str]]
         rows.append([f"{workers} worker(s), 1 thread each", f"{total:,.0f} steps/s",
                      f"{total / base:.2f}x", f"per worker {', '.join(f'{r:,.0f}' for r in rates)}; "
                      f"{workers * steps:,} steps, wall {result['wall_s']:.1f} s incl. start-up; load {load_average()}"])
+        cpu_total = sum(worker_rates(out, workers, "cpu_sps"))
+        cpu_base = cpu_base or cpu_total
+        rows.append([f"{workers} worker(s), per CPU-second", f"{cpu_total:,.0f} steps/s",
+                     f"{cpu_total / cpu_base:.2f}x",
+                     "sum of each worker's steps per second of its own CPU time: the rate with a free core each"])
     return rows
 
 
