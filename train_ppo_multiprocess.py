@@ -68,7 +68,7 @@ from common.envs.market import (
 from common.networks import ActorCritic
 from common.parallel import GracefulExit, TooManyRestarts, WorkerPool, describe_exit, init_worker_process
 from common.ppo import PPOSettings, compute_gae, ppo_update
-from common.runlog import MetricsWriter, default_run_dir, open_run_dir, setup_logging, write_summary
+from common.runlog import MetricsWriter, default_run_dir, open_run_dir, read_metrics, setup_logging, write_summary
 from common.shm import reclaim_stale_segments
 from common.system import assign_devices, format_bytes, shm_space, threads_per_process
 
@@ -953,6 +953,7 @@ def finish(cfg, coordinator: Coordinator, data, item_indices, run_dir: Path, rea
         log.info("  worker %d: %s at step %d, episodes %d, recent return %.3f, restarts %d%s", index, state, s.step,
                  s.episodes, s.recent_return, coordinator.pool.workers[index].restarts,
                  f", failures: {'; '.join(s.failures)}" if s.failures else "")
+    plot_population(run_dir, len(status), run_dir / "plots" / "population.png")
     training_sps = sum(s.sps for s in status)  # each worker's steps over its own training time, summed
     coordinator.write_metrics(seconds, training_sps)
     coordinator.metrics.close()
@@ -974,6 +975,31 @@ def random_baseline(cfg, data, item_indices) -> dict[str, float]:
     rng = np.random.default_rng(ev.eval_seed)
     n = int(envs.single_action_space.n)
     return run_episodes(envs, lambda obs: rng.integers(0, n, len(obs)), ev.eval_episodes)
+
+
+def plot_population(run_dir: Path, num_workers: int, path: Path) -> None:
+    """Every worker's training return against its steps, one line each, from metrics_worker_<i>.csv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for index in range(num_workers):
+        file = run_dir / f"metrics_worker_{index}.csv"
+        if not file.is_file():
+            continue
+        rows = [r for r in read_metrics(file) if r.get("episodic_return")]
+        ax.plot([int(r["global_step"]) for r in rows], [float(r["episodic_return"]) for r in rows],
+                linewidth=1, label=f"worker {index}")
+    ax.set_xlabel("env steps of the worker")
+    ax.set_ylabel("mean episode return per update")
+    ax.grid(alpha=0.3)
+    if num_workers <= 16:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def shared_view(shared) -> MarketData:

@@ -65,7 +65,8 @@ def test_population_run_writes_layout_leaderboard_and_learns(tmp_path, cache_dir
                         "--no-eval-deterministic", timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("config.yaml", "logs/main.log", "logs/worker_0.log", "logs/worker_1.log", "metrics.csv",
-                 "metrics_worker_0.csv", "metrics_worker_1.csv", "leaderboard.csv", "best.pt", "summary.json"):
+                 "metrics_worker_0.csv", "metrics_worker_1.csv", "leaderboard.csv", "best.pt", "summary.json",
+                 "plots/population.png"):
         assert (out / name).is_file(), name
     for i in (0, 1):
         steps = sorted(int(p.stem.split("_")[-1]) for p in (out / "checkpoints").glob(f"worker_{i}_step_*.pt"))
