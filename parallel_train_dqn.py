@@ -99,6 +99,7 @@ class Config:
     opponent_random: float = 0.2  # share against the random player
     opponent_heuristic: float = 0.0  # share against the heuristic player (0 = pure self-play + random)
     opponent_epsilon: float = 0.05  # exploration of policy opponents, so games do not repeat
+    mirror_augment: bool = True  # ConnectFour-v0: also store every move mirrored left-right (the game is symmetric)
     games_per_worker: int = 0  # alias kept for the manager's vocabulary; 0 = episodes_per_batch
     max_game_length: int = 0  # cut episodes after this many steps (0 = the environment's own limit)
     experience_batch_size: int = 8192  # most transitions per queue message (batches are split by episode)
@@ -331,7 +332,8 @@ def train(cfg: Config, manager: ParallelManager, q_net, target_net, optimizer, b
                 log.warning("no experience from any worker within %.0fs; status: %s", cfg.timeout,
                             manager.get_status()["workers"])
                 continue
-            batch_stats = add_to_buffer(buffer, batches, counters, recent, manager.model_version)
+            batch_stats = add_to_buffer(buffer, batches, counters, recent, manager.model_version,
+                                        mirror=cfg.mirror_augment and cfg.env_id == "ConnectFour-v0")
             learn_start = time.perf_counter()
             updates = round(cfg.replay_ratio * batch_stats["steps"]) if cfg.replay_ratio > 0 else cfg.updates_per_batch
             losses, q_means = learn(cfg, q_net, target_net, optimizer, buffer, counters, device, updates)
@@ -409,8 +411,13 @@ def stop_reason(cfg: Config, counters: dict, recent: deque, last_eval: dict, sta
     return None
 
 
-def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, version: int) -> dict[str, float]:
-    """Add every episode of the batches to the replay buffer in one go; returns batch statistics."""
+def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, version: int,
+                  mirror: bool = False) -> dict[str, float]:
+    """Add every episode of the batches to the replay buffer in one go; returns batch statistics.
+
+    With ``mirror`` (board games whose last observation axis is the action's column) each
+    episode is stored a second time reflected left-right: same outcome, twice the data.
+    """
     returns, lengths, results, staleness, steps = [], [], [], [], 0
     for batch in batches:
         steps += batch.steps
@@ -418,6 +425,11 @@ def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, 
         for episode in batch.episodes:
             buffer.add_episode(episode["obs"], episode["actions"], episode["rewards"], episode["terminated"],
                                episode.get("masks"))
+            if mirror:
+                masks = episode.get("masks")
+                buffer.add_episode(episode["obs"][..., ::-1], episode["obs"].shape[-1] - 1 - episode["actions"],
+                                   episode["rewards"], episode["terminated"],
+                                   masks[:, ::-1] if masks is not None else None)
             returns.append(episode["return"])
             lengths.append(episode["length"])
             if "result" in episode:
