@@ -60,9 +60,9 @@ def test_population_run_writes_layout_leaderboard_and_learns(tmp_path, cache_dir
     # Trading is expensive here (2 % fee), so a random policy bleeds money; an agent that learns
     # when not to trade must beat it clearly on the same held-out windows.
     result = run_script(SCRIPT, *FAST, "--cache-dir", cache_dir, "--output-dir", out, "--max-steps-per-worker",
-                        "12288", "--checkpoint-every", "4096", "--fee", "0.02", "--learning-rate", "1e-3",
-                        "--gamma", "0.9", "--gae-lambda", "0.5", "--ent-coef", "0.0", "--eval-episodes", "32",
-                        "--no-eval-deterministic", timeout=110)
+                        "12288", "--checkpoint-every", "4096", "--fee", "0.02", "--top-n-items", "4",
+                        "--learning-rate", "2e-3", "--update-epochs", "8", "--gamma", "0.9", "--gae-lambda", "0.5",
+                        "--ent-coef", "0.0", "--eval-episodes", "32", "--no-eval-deterministic", timeout=110)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("config.yaml", "logs/main.log", "logs/worker_0.log", "logs/worker_1.log", "metrics.csv",
                  "metrics_worker_0.csv", "metrics_worker_1.csv", "leaderboard.csv", "best.pt", "summary.json",
@@ -86,15 +86,19 @@ def test_population_run_writes_layout_leaderboard_and_learns(tmp_path, cache_dir
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["total_steps"] == 2 * 12288
     assert summary["best_worker"] == int(agents[0]["worker"])
-    best, random_mean = float(agents[0]["eval_mean_return"]), float(baseline["eval_mean_return"])
-    # 32 windows, returns' std about 6: a margin of 4 is > 3 standard errors of the random mean.
-    assert best > random_mean + 4.0, (best, random_mean)
+    # Both agents sample from their policy on the same 32 held-out windows as the random policy,
+    # whose returns have a std of about 5 there: a margin of 5 is over 5 standard errors. (Seeds
+    # 1, 2, 3 give margins of 8 to 15.)
+    random_mean = float(baseline["eval_mean_return"])
+    assert all(float(r["eval_mean_return"]) > random_mean + 5.0 for r in agents), board
+    assert all(float(r["eval_mean_trades"]) < float(baseline["eval_mean_trades"]) for r in agents)
 
     # best.pt loads into a fresh agent that can act in the environment.
     agent, state = tpm.load_agent(out / "best.pt")
     assert state["worker"] == summary["best_worker"] and state["global_step"] == 12288
     data, _ = load_market_data("synthetic", cache_dir, 30, 4000, 0)
-    envs = make_vec_env("Market-v0", 2, seed=0, data=data, item_indices=state["item_indices"], episode_length=128)
+    envs = make_vec_env("Market-v0", 2, seed=0, data=data, item_indices=state["item_indices"], top_n_items=4,
+                        episode_length=128)
     obs = envs.reset()
     with torch.no_grad():
         actions = agent.get_action_and_value(torch.from_numpy(obs))[0].numpy()
