@@ -115,15 +115,17 @@ def test_cartpole_learns(tmp_path):
 def test_self_play_beats_random(tmp_path):
     run = tmp_path / "run"
     result = run_script(SCRIPT, "--seed", "2", "--num-workers", "1", "--hidden-sizes", "64", "64",
-                        "--total-episodes", "2500", "--eval-episodes", "50", "--epsilon-decay-batches", "30",
-                        "--learning-starts", "500", "--replay-ratio", "0.5", "--eval-interval", "0",
+                        "--total-episodes", "6000", "--episodes-per-batch", "32", "--eval-episodes", "100",
+                        "--epsilon-decay-batches", "30", "--learning-starts", "500", "--replay-ratio", "0.1",
+                        "--eval-interval", "0",
                         "--learning-rate", "1e-3", "--target-update-interval", "100", "--opponent-latest", "0.3",
                         "--opponent-snapshot", "0.2", "--opponent-random", "0.5", "--snapshot-interval", "10",
                         "--no-tensorboard", "--output-dir", run, timeout=140)
     assert result.returncode == 0, result.stderr[-2000:]
     final = json.loads((run / "summary.json").read_text())["final_eval"]
-    assert final["eval_win_random"] > 0.6, final  # both seats, 100 greedy games; random vs random wins ~50%
-    assert final["eval_win_random_first"] > 0.5 and final["eval_win_random_second"] > 0.5, final
+    # 100 greedy games from each seat; a random player wins about half its games against random
+    assert final["eval_win_random"] > 0.65, final
+    assert final["eval_win_random_first"] > 0.55 and final["eval_win_random_second"] > 0.55, final
 
 
 def rollout_workers(proc) -> list[psutil.Process]:
