@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import time
 import traceback
 import zlib
@@ -475,6 +476,10 @@ def rollout_worker(index: int, spec: WorkerSpec, config: ManagerConfig, control_
                    initial: dict[str, Any]) -> None:
     """Entry point of a rollout worker process; a crash is reported with its traceback."""
     init_worker_process(spec.torch_threads)
+    # A SIGTERM sent to the whole process group (systemd, a batch scheduler) is for the
+    # learner to act on: it stops the workers itself after saving. Workers still exit on
+    # their own when the learner is gone (ParentWatch).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if spec.log_dir is not None:
         from common.runlog import setup_logging
 
@@ -875,9 +880,7 @@ class ParallelManager:
 
 
 def _reap(process, timeout: float = 5.0) -> None:
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
+    """Kill a worker that did not exit when asked (workers ignore SIGTERM, so SIGKILL it is)."""
     if process.is_alive():
         process.kill()
         process.join(timeout)

@@ -1,0 +1,231 @@
+"""Benchmarks of parallel_train_dqn.py: time to solve CartPole, Connect Four win rates, throughput.
+
+    python benchmarks/bench_parallel_dqn.py throughput             # episodes/s with 1 and 2 workers, updates/s
+    python benchmarks/bench_parallel_dqn.py cartpole --seeds 1 2 3 4 5
+    python benchmarks/bench_parallel_dqn.py connect-four --minutes 15
+
+Each writes a Markdown table to benchmarks/results/parallel_dqn_<name>.md together with
+the machine's core count and load average, since timings on a shared machine move with
+whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+SCRIPT = ROOT / "parallel_train_dqn.py"
+
+
+def machine_line() -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} logical cores, "
+            f"load average (1, 5, 15 min) {load}")
+
+
+def run_training(args: list[str], output_dir: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--output-dir", str(output_dir)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - started
+    summary_path = output_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"returncode": proc.returncode, "process_wall_s": wall, **summary,
+            "stderr_tail": proc.stderr[-500:] if proc.returncode else ""}
+
+
+def bench_cartpole(opts) -> None:
+    rows = []
+    load_before = machine_line()
+    for seed in opts.seeds:
+        out = Path(opts.work_dir) / f"cartpole_{seed}_{int(time.time())}"
+        result = run_training(["--config", str(ROOT / "configs" / "parallel_dqn_cartpole.yaml"), "--seed", str(seed),
+                               "--num-workers", str(opts.workers), "--no-tensorboard"], out, opts.timeout)
+        rows.append((seed, result))
+        print(f"seed {seed}: solved_at_s={result.get('solved_at_s')} wall={result['process_wall_s']:.1f}s "
+              f"mean100={result.get('return_mean100')}", flush=True)
+    solved = [r.get("solved_at_s") for _, r in rows]
+    times = [t if t is not None else float("inf") for t in solved]
+    median = statistics.median(times)
+    lines = ["# parallel_train_dqn.py: CartPole-v1 time to solve", "",
+             f"Solved = mean of the last 100 training-episode returns >= 475. "
+             f"Config `configs/parallel_dqn_cartpole.yaml`, {opts.workers} rollout worker(s).", "",
+             f"- before: {load_before}", f"- after: {machine_line()}",
+             f"- command: `python benchmarks/bench_parallel_dqn.py cartpole --seeds {' '.join(map(str, opts.seeds))} "
+             f"--workers {opts.workers}`", "",
+             "| seed | solved at (s, training time) | process wall (s) | env steps | episodes | learner steps |",
+             "|---|---|---|---|---|---|"]
+    for seed, r in rows:
+        at = f"{r['solved_at_s']:.1f}" if r.get("solved_at_s") is not None else "not solved"
+        lines.append(f"| {seed} | {at} | {r['process_wall_s']:.1f} | {r.get('global_step')} | {r.get('episodes')} | "
+                     f"{r.get('learner_steps')} |")
+    shown = f"{median:.1f} s" if median != float("inf") else "not solved"
+    lines += ["", f"**Median time to solve: {shown}** "
+              f"(target: at most 30 s on 2 cores)"]
+    write(f"parallel_dqn_cartpole_{opts.workers}w.md", lines)
+
+
+def bench_connect_four(opts) -> None:
+    out = Path(opts.work_dir) / f"connect_four_{opts.seed}_{int(time.time())}"
+    load_before = machine_line()
+    extra = opts.extra.split() if opts.extra else []
+    result = run_training(["--config", str(ROOT / "configs" / "parallel_dqn_connect_four.yaml"),
+                           "--seed", str(opts.seed), "--num-workers", str(opts.workers),
+                           "--duration", str(opts.minutes / 60), *extra], out, opts.minutes * 60 + 300)
+    final = result.get("final_eval") or {}
+    lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play", "",
+             f"Config `configs/parallel_dqn_connect_four.yaml`{' + ' + opts.extra if opts.extra else ''}, "
+             f"{opts.workers} rollout worker(s), {opts.minutes} min of training, seed {opts.seed}. "
+             "Final evaluation: greedy policy, eval_episodes games per opponent and seat.", "",
+             f"- before: {load_before}", f"- after: {machine_line()}",
+             f"- command: `python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes} "
+             f"--workers {opts.workers} --seed {opts.seed}{' --extra ' + repr(opts.extra) if opts.extra else ''}`",
+             f"- exit status {result['returncode']}, reason: {result.get('reason')}, "
+             f"episodes {result.get('episodes')}, "
+             f"env steps {result.get('global_step')}, learner steps {result.get('learner_steps')}", "",
+             "| opponent | win (both seats) | win as first | win as second | draw | loss |",
+             "|---|---|---|---|---|---|"]
+    for opponent in ("random", "heuristic"):
+        if f"eval_win_{opponent}" in final:
+            lines.append(f"| {opponent} | {final[f'eval_win_{opponent}']:.1%} "
+                         f"| {final[f'eval_win_{opponent}_first']:.1%} "
+                         f"| {final[f'eval_win_{opponent}_second']:.1%} | {final[f'eval_draw_{opponent}']:.1%} | "
+                         f"{final[f'eval_loss_{opponent}']:.1%} |")
+    lines += ["", "Targets: at least 95 % against random and 70 % against the heuristic within 15 minutes on 2 cores."]
+    write(f"parallel_dqn_connect_four_{opts.minutes}min.md", lines)
+
+
+def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -> tuple[float, float]:
+    import gymnasium as gym
+
+    from common.manager import ManagerConfig, ParallelManager, WorkerSpec
+    from common.networks import QNetwork
+
+    env = gym.make(env_id)
+    net = QNetwork(env.observation_space, env.action_space, (256, 256))
+    kwargs = {"opponent": "random"} if env_id == "ConnectFour-v0" else {}
+    manager = ParallelManager(WorkerSpec(env_id, 0, (256, 256), kwargs),
+                              ManagerConfig(num_workers=workers, games_per_worker=games), net.state_dict(), 0.1)
+    try:
+        manager.start_workers()
+        manager.collect_experiences(timeout=60)  # warm up: every worker is running
+        episodes = steps = 0
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            for batch in manager.collect_experiences(timeout=10):
+                episodes += len(batch.episodes)
+                steps += sum(e["length"] for e in batch.episodes)
+        elapsed = time.monotonic() - started
+    finally:
+        manager.stop_workers()
+    return episodes / elapsed, steps / elapsed
+
+
+def learner_updates_per_second(hidden: tuple[int, ...], batch_size: int, obs_shape, actions: int, masked: bool,
+                               updates: int = 500) -> float:
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    from common.dqn import double_dqn_loss
+    from common.networks import QNetwork
+    from common.replay import ReplayBuffer
+
+    torch.set_num_threads(1)
+    obs_space = gym.spaces.Box(0, 1, obs_shape, np.float32)
+    q_net = QNetwork(obs_space, gym.spaces.Discrete(actions), hidden)
+    target = copy.deepcopy(q_net)
+    optimizer = torch.optim.Adam(q_net.parameters(), lr=1e-3)
+    buffer = ReplayBuffer(50_000, obs_shape, np.float32, actions if masked else None, 0)
+    rng = np.random.default_rng(0)
+    n = 50_000
+    buffer.add_batch(rng.random((n, *obs_shape), dtype=np.float32), rng.integers(0, actions, n),
+                     rng.random(n, dtype=np.float32), rng.random((n, *obs_shape), dtype=np.float32),
+                     rng.random(n) < 0.05, rng.random((n, actions)) < 0.9 if masked else None)
+
+    def step():
+        s = buffer.sample(batch_size)
+        loss, _ = double_dqn_loss(q_net, target, torch.as_tensor(s.obs), torch.as_tensor(s.actions),
+                                  torch.as_tensor(s.rewards), torch.as_tensor(s.next_obs), torch.as_tensor(s.dones),
+                                  0.99, torch.as_tensor(s.next_masks) if masked else None)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(q_net.parameters(), 10.0)
+        optimizer.step()
+
+    for _ in range(50):
+        step()
+    started = time.perf_counter()
+    for _ in range(updates):
+        step()
+    return updates / (time.perf_counter() - started)
+
+
+def bench_throughput(opts) -> None:
+    load_before = machine_line()
+    lines = ["# parallel_train_dqn.py: collection and learner throughput", "",
+             f"- before: {load_before}",
+             f"- command: `python benchmarks/bench_parallel_dqn.py throughput --seconds {opts.seconds}`", "",
+             "Rollout workers with a 256x256 Q-network at epsilon 0.1 (ConnectFour-v0 against the random "
+             "player), whole episodes through the bounded queues into the learner process, "
+             f"measured over {opts.seconds} s after warm-up.", "",
+             "| env | workers | games per batch | episodes/s | env steps/s |", "|---|---|---|---|---|"]
+    for env_id in ("CartPole-v1", "ConnectFour-v0"):
+        for workers in (1, 2):
+            eps, sps = episodes_per_second(env_id, workers, opts.seconds, opts.games)
+            lines.append(f"| {env_id} | {workers} | {opts.games} | {eps:.0f} | {sps:.0f} |")
+            print(lines[-1], flush=True)
+    lines += ["", "| learner updates/s (1 thread) | network | batch | obs | masks |", "|---|---|---|---|---|"]
+    for hidden, batch, obs_shape, actions, masked, name in (
+            ((256, 256), 64, (4,), 2, False, "CartPole-v1"),
+            ((256, 256), 128, (2, 6, 7), 7, True, "ConnectFour-v0"),
+            ((64, 64), 64, (4,), 2, False, "CartPole-v1")):
+        rate = learner_updates_per_second(hidden, batch, obs_shape, actions, masked)
+        lines.append(f"| {rate:.0f} | {hidden} | {batch} | {name} {obs_shape} | {masked} |")
+        print(lines[-1], flush=True)
+    lines += ["", f"- after: {machine_line()}"]
+    write("parallel_dqn_throughput.md", lines)
+
+
+def write(name: str, lines: list[str]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    cartpole = sub.add_parser("cartpole", help="time to solve CartPole-v1 over several seeds")
+    cartpole.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    cartpole.add_argument("--workers", type=int, default=1)
+    cartpole.add_argument("--timeout", type=float, default=600)
+    c4 = sub.add_parser("connect-four", help="self-play win rates after a fixed training time")
+    c4.add_argument("--minutes", type=float, default=15)
+    c4.add_argument("--workers", type=int, default=1)
+    c4.add_argument("--seed", type=int, default=1)
+    c4.add_argument("--extra", default="", help="more flags for the training script, in one string")
+    throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
+    throughput.add_argument("--seconds", type=float, default=10)
+    throughput.add_argument("--games", type=int, default=16)
+    for p in (cartpole, c4):
+        p.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_parallel_dqn"))
+    opts = parser.parse_args()
+    {"cartpole": bench_cartpole, "connect-four": bench_connect_four, "throughput": bench_throughput}[opts.what](opts)
+
+
+if __name__ == "__main__":
+    main()
