@@ -73,7 +73,7 @@ class Config:
     n_steps: int = 256  # steps per environment per rollout
     total_timesteps: int = 5_000_000  # stop after this many env steps (all workers together)
     total_episodes: int | None = None  # also stop after this many finished episodes
-    duration: float | None = 0.2  # hours of wall time for this invocation; stops after the update in flight
+    duration: float | None = 0.17  # hours of wall time for this invocation; stops after the update in flight
     target_return: float | None = 200.0  # stop once the mean of the last 100 episode returns reaches this
     learning_rate: float = 1e-3  # Adam step size (annealed linearly to 0 over total_timesteps when anneal_lr)
     anneal_lr: bool = True  # linearly decay the learning rate
