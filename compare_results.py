@@ -107,6 +107,15 @@ def load_run(path: Path) -> Run:
                rolling_episode_mean(rows), sps, column(rows, "cpu_percent"), memory)
 
 
+def windowed_rate(steps: np.ndarray, wall: np.ndarray, points: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """Steps/s over a sliding window of rows: the current throughput, not the run's average so far."""
+    k = max(1, len(steps) // points)
+    if len(steps) <= k:
+        return wall, steps / np.maximum(wall, 1e-9)
+    dt = np.maximum(wall[k:] - wall[:-k], 1e-9)
+    return wall[k:], (steps[k:] - steps[:-k]) / dt
+
+
 def first_reaching(run: Run, threshold: float) -> tuple[float, float] | None:
     hits = np.flatnonzero(np.nan_to_num(run.mean100, nan=-np.inf) >= threshold)
     return (float(run.wall[hits[0]]), float(run.steps[hits[0]])) if hits.size else None
@@ -168,8 +177,7 @@ def plot(runs: list[Run], path: Path, threshold: float | None) -> None:
         color = f"C{i}"
         ax_time.plot(run.wall, run.mean100, color=color, label=run.name)
         ax_steps.plot(run.steps, run.mean100, color=color, label=run.name)
-        sps = run.sps if np.isfinite(run.sps).any() else np.gradient(run.steps, run.wall)
-        ax_sps.plot(run.wall, sps, color=color, label=run.name)
+        ax_sps.plot(*windowed_rate(run.steps, run.wall), color=color, label=run.name)
         if np.isfinite(run.cpu).any():
             ax_res.plot(run.wall, run.cpu, color=color, label=f"{run.name} CPU")
         if np.isfinite(run.memory_mb).any():
@@ -181,7 +189,7 @@ def plot(runs: list[Run], path: Path, threshold: float | None) -> None:
     ax_time.set_xlabel("wall time (s)")
     ax_steps.set_xlabel("env steps")
     ax_sps.set_xlabel("wall time (s)")
-    ax_sps.set_ylabel("env steps/s")
+    ax_sps.set_ylabel("env steps/s (sliding window)")
     ax_res.set_xlabel("wall time (s)")
     ax_res.set_ylabel("CPU % (solid; 100 = one core)")
     ax_mem.set_ylabel("memory MiB (dashed)")
