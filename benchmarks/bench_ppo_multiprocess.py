@@ -7,9 +7,10 @@
    On a machine shared with other work the wall-clock ratio says more about the others than
    about this script, so the table also gives each worker's steps per second of its own CPU
    time (the rate it would reach with a free core).
-2. Memory: peak proportional set size (PSS) of the whole process tree with a >= 1 GB market
-   cache, 1 worker vs 4 workers. PSS splits a shared page among the processes mapping it, so
-   a cache that is shared, not copied, adds little per extra worker. The same two runs with a
+2. Memory: peak proportional set size (PSS) of the whole process tree while training (every
+   worker running) with a >= 1 GB market cache, 1 worker vs 4 workers. PSS splits a shared
+   page among the processes mapping it, so a cache that is shared, not copied, adds little
+   per extra worker. The same two runs with a
    tiny cache give each worker's own overhead (interpreter, torch), which does not depend on
    the cache.
 3. Cache: time to build the cache the first time vs. to load it later (open + copy into
@@ -54,18 +55,24 @@ def run_training(out: Path, *args: str, sample_memory: bool = False) -> dict:
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--output-dir", str(out), "--device", "cpu",
                              "--no-tensorboard", "--eval-episodes", "8", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak_pss = 0
+    peak_pss = peak_training_pss = 0
     if sample_memory:
-        sampler = ProcessTreeSampler(proc.pid)
+        # Two peaks: over the whole run (start-up holds the cache file's pages while copying it
+        # into shared memory), and while training, once every worker runs (the steady state).
+        sampler, log = ProcessTreeSampler(proc.pid), out / "logs" / "main.log"
+        workers = int(args[args.index("--num-workers") + 1])
         while proc.poll() is None:
-            peak_pss = max(peak_pss, sampler.sample().pss_bytes)
+            pss = sampler.sample().pss_bytes
+            peak_pss = max(peak_pss, pss)
+            if log.exists() and log.read_text().count(" running (pid ") >= workers:
+                peak_training_pss = max(peak_training_pss, pss)
             time.sleep(0.25)
     _, err = proc.communicate(timeout=1800)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"training run failed ({proc.returncode}): {err[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"summary": summary, "wall_s": wall, "peak_pss": peak_pss}
+    return {"summary": summary, "wall_s": wall, "peak_pss": peak_pss, "peak_training_pss": peak_training_pss}
 
 
 def worker_rates(out: Path, workers: int, column: str = "sps") -> list[float]:
@@ -109,9 +116,10 @@ def bench_memory(work: Path, big_cache: Path, items: int, history: int, steps: i
             result = run_training(out, "--num-workers", str(workers), "--max-steps-per-worker", str(steps),
                                   "--checkpoint-every", str(10 * steps), "--rollout-steps", "1024",
                                   "--num-envs-per-worker", "4", *cache_args, sample_memory=True)
-            measured[label, workers] = result["peak_pss"]
-            rows.append([f"{workers} worker(s), {label}", format_bytes(result["peak_pss"]), "",
-                         f"peak PSS of the process tree; load {load_average()}"])
+            measured[label, workers] = result["peak_training_pss"]
+            rows.append([f"{workers} worker(s), {label}", format_bytes(result["peak_training_pss"]), "",
+                         f"peak PSS of the process tree while training (whole run incl. start-up: "
+                         f"{format_bytes(result['peak_pss'])}); load {load_average()}"])
     cache_bytes = 2 * 4 * items * history
     per_extra = (measured["big cache", 4] - measured["big cache", 1]) / 3
     per_extra_tiny = (measured["tiny cache", 4] - measured["tiny cache", 1]) / 3

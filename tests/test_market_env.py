@@ -142,6 +142,12 @@ def test_cache_is_built_once_then_loaded(tmp_path):
     first, info1 = load_market_data("synthetic", tmp_path, num_items=6, history_steps=500, data_seed=2)
     second, info2 = load_market_data("synthetic", tmp_path, num_items=6, history_steps=500, data_seed=2)
     assert info1["built"] and not info2["built"]
+    shared, _ = share_market_data(second)  # read from the cache file straight into shared memory
+    try:
+        assert np.array_equal(shared["market_prices"], first.prices)
+        assert np.array_equal(shared["market_volumes"], first.volumes)
+    finally:
+        shared.unlink_all()
     assert np.array_equal(first.prices, synthetic_market(6, 500, 2).prices)
     assert np.array_equal(first.volumes, second.volumes)
     assert sorted(p.name for p in (tmp_path / info1["path"].split("/")[-1]).iterdir()) == \

@@ -316,12 +316,32 @@ def share_market_data(data: MarketData) -> tuple[SharedArrays, dict[str, ArraySp
         for name in CACHE_ARRAYS:
             source = getattr(data, name)
             target = shared.create(f"market_{name}", source.shape, np.float32, fill=None)
-            for start in range(0, source.shape[0], 64):  # row blocks: bounded extra memory while copying
-                target[start:start + 64] = source[start:start + 64]
+            _copy_into(target, source)
     except BaseException:
         shared.unlink_all()
         raise
     return shared, {name: spec for name, spec in zip(CACHE_ARRAYS, shared.specs().values())}
+
+
+def _copy_into(target: np.ndarray, source: np.ndarray) -> None:
+    """Fill ``target`` from ``source``; a cache file is read straight into it, never mapped.
+
+    Copying from the memory map would map every page of the file into this process as well,
+    briefly doubling its memory (and its PSS) for a large cache.
+    """
+    if isinstance(source, np.memmap) and source.filename and source.flags.c_contiguous:
+        buffer = memoryview(target.reshape(-1).view(np.uint8))
+        with open(source.filename, "rb") as f:
+            f.seek(source.offset)
+            done = 0
+            while done < len(buffer):
+                count = f.readinto(buffer[done:])
+                if not count:
+                    raise MarketDataError(f"{source.filename}: file ends early; delete its directory to rebuild it")
+                done += count
+        return
+    for start in range(0, source.shape[0], 64):  # row blocks: bounded extra memory while copying
+        target[start:start + 64] = source[start:start + 64]
 
 
 def attach_market_data(specs: dict[str, ArraySpec], item_names: list[str] | None = None
