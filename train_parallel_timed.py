@@ -436,7 +436,8 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
     recent = deque(progress_state["recent_returns"], maxlen=100)
     metrics = MetricsWriter(run_dir, ["return_mean100", "collect_sps", "learning_rate", "policy_loss", "value_loss",
                                       "entropy", "approx_kl", "clipfrac", "explained_variance", "cpu_percent",
-                                      "rss_mb", "pss_mb", "worker_restarts", "world_size", "params_hash"],
+                                      "rss_mb", "pss_mb", "worker_restarts", "world_size", "update_ms",
+                                      "allreduce_ms", "allreduce_kib", "params_hash"],
                             tensorboard=cfg.tensorboard) if dist.is_main else None
     sampler = ProcessTreeSampler()
     progress = Progress(cfg.total_timesteps, "steps", log, cfg.log_interval_s,
@@ -464,7 +465,11 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
             break  # the rollout in flight is finished; skip its update and save
 
         batch = make_batch(cfg, buf, device)
+        update_start = time.perf_counter()
         stats = ppo_update(agent, optimizer, batch, settings, generator, grad_hook)
+        update_seconds = time.perf_counter() - update_start
+        allreduce_seconds, allreduce_bytes = dist.allreduce_seconds, dist.allreduce_bytes
+        dist.allreduce_seconds, dist.allreduce_bytes = 0.0, 0
         params_hash = distributed.params_digest(agent) if dist.world_size > 1 else ""
         total_steps, all_episodes, ranks_in_sync = dist.gather_progress(steps, episodes, params_hash)
         if not ranks_in_sync:
@@ -491,7 +496,9 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
                    "learning_rate": optimizer.param_groups[0]["lr"], **stats,
                    "cpu_percent": resources.cpu_percent, "rss_mb": resources.rss_bytes / 2**20,
                    "pss_mb": resources.pss_bytes / 2**20, "worker_restarts": collector.restarts,
-                   "world_size": dist.world_size, "params_hash": params_hash}
+                   "world_size": dist.world_size, "update_ms": 1000 * update_seconds,
+                   "allreduce_ms": 1000 * allreduce_seconds, "allreduce_kib": allreduce_bytes / 1024,
+                   "params_hash": params_hash}
             metrics.write(row)
             progress.update(gs["global_step"], {"return100": mean100, "sps": round(row["sps"]),
                                                 "restarts": collector.restarts})

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--scaling-seconds", type=float, default=40.0)
     args = parser.parse_args()
     load = os.getloadavg()
-    header = (f"## {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
+    header = (f"## {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
               f"load average at start {load[0]:.2f}")
     sections = []
     with tempfile.TemporaryDirectory(prefix="prl_bench_") as tmp:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ class PeerFailure(RuntimeError):
 
 class SingleProcess:
     rank, world_size, local_rank, is_main = 0, 1, 0, True
+    allreduce_seconds, allreduce_bytes = 0.0, 0
 
     def gradient_hook(self, model: torch.nn.Module) -> None:
         return None  # nothing to average
@@ -71,6 +73,8 @@ class TorchDistributed:
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.backend = backend
+        self.allreduce_seconds = 0.0  # time spent in gradient all-reduces (read and reset by the script)
+        self.allreduce_bytes = 0
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
@@ -99,7 +103,10 @@ class TorchDistributed:
         def hook() -> None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            started = time.perf_counter()
             self._call("gradient all-reduce", self.dist.all_reduce, flat)
+            self.allreduce_seconds += time.perf_counter() - started
+            self.allreduce_bytes += flat.numel() * flat.element_size()
             flat /= self.world_size
             offset = 0
             for p, g in zip(params, grads):
