@@ -121,6 +121,9 @@ class UltraTrainingConfig:
         require(self.grid_size is None or self.env_id == "GridCoverage-v0", "grid_size", self.grid_size,
                 "applies to GridCoverage-v0 only")
         require(self.learning_starts >= 0, "learning_starts", self.learning_starts, "must be >= 0")
+        slots = self.buffer_size // self.n_workers * self.n_workers
+        require(self.learning_starts <= slots, "learning_starts", self.learning_starts,
+                f"must not exceed the replay capacity ({slots} slots)")
         ahead = self.n_step * self.envs_per_worker * self.n_workers + \
             math.ceil(self.batch_size * self.grad_accum_steps / self.replay_ratio)
         require(self.rate_limit_slack >= ahead, "rate_limit_slack", self.rate_limit_slack,
@@ -656,7 +659,7 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
 
     def poll(now: float) -> None:
         nonlocal last_health
-        if now - last_health >= 0.1:
+        if now - last_health >= 0.1 and not graceful.requested:  # no restarts while shutting down
             actors.check_alive()
             last_health = now
         for episode in actors.episodes():
