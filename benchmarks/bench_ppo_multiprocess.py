@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--cache-history", type=int, default=65536, help="timesteps of the big cache")
     parser.add_argument("--memory-steps", type=int, default=8192, help="steps per worker in the memory runs")
     parser.add_argument("--keep-cache", action="store_true", help="keep the big cache in runs/cache/bench")
-    parser.add_argument("--markdown", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--markdown", type=Path, help="also append the table to this Markdown file")
     args = parser.parse_args()
 
     big_cache = ROOT / "runs" / "cache" / "bench"
@@ -190,8 +190,11 @@ def main() -> None:
         machine = (f"{platform.machine()}, {os.cpu_count()} logical cores, Python {platform.python_version()}; "
                    f"load average at start {start_load}, at end {load_average()}")
         md = ["| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * 4, *rows]]
-        args.markdown.write_text(f"# train_ppo_multiprocess benchmarks\n\n`python benchmarks/bench_ppo_multiprocess.py"
-                                 f" {' '.join(sys.argv[1:])}`\n\n{machine}\n\n" + "\n".join(md) + "\n")
+        title = "" if args.markdown.exists() else "# train_ppo_multiprocess benchmarks\n"
+        with open(args.markdown, "a") as f:  # each run adds a section: earlier measurements stay
+            f.write(f"{title}\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                    f"`python benchmarks/bench_ppo_multiprocess.py {' '.join(sys.argv[1:])}`\n\n{machine}\n\n"
+                    + "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
