@@ -249,7 +249,7 @@ def test_nan_loss_exits_1_and_keeps_the_last_good_checkpoint(tmp_path):
     (["--mixed-precision", "fp16", "--device", "cpu"], "--mixed-precision"),
     (["--resume", "/nonexistent.pth"], "no such checkpoint"),
     (["--batch-size", "lots"], "--batch-size"),
-    (["--buffer-size", "10", "--envs-per-worker", "16"], "--buffer-size"),
+    (["--buffer-size", "10", "--envs-per-worker", "16", "--learning-starts", "0"], "--buffer-size"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
