@@ -34,14 +34,7 @@ import numpy as np
 import torch
 
 from common import distributed
-from common.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from common.checkpoint import CheckpointError, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from common.config import fail, parse_config, require, require_env_id, require_positive, save_config, to_dict
 from common.envs import make_vec_env
 from common.networks import ActorCritic, flat_size, read_flat_params, write_flat_params
@@ -298,28 +291,13 @@ class WorkerCollector:
 
 # --------------------------------------------------------------------------- setup
 
-def resolve_resume(cfg: Config) -> tuple[Path | None, dict | None]:
-    """Find and load the checkpoint to resume from, before anything is written (bad file -> exit 2)."""
-    if cfg.resume is None:
-        return None, None
-    if cfg.resume == "auto":
-        search = [Path(cfg.output_dir)] if cfg.output_dir else sorted(
-            Path("runs", SCRIPT).glob(f"{cfg.env_id.replace('/', '_')}__{cfg.seed}__*"), key=os.path.getmtime)
-        for run_dir in reversed(search):
-            path = latest_checkpoint(run_dir / "checkpoints", r".*\.pt")
-            if path is not None:
-                break
-        else:
-            return None, None  # nothing to resume yet: start fresh (first run of a cron job)
-    else:
-        path = Path(cfg.resume)
+def find_resume(cfg: Config) -> tuple[Path | None, dict | None]:
+    """Load the checkpoint to resume from before anything is written (a bad file exits 2)."""
     try:
-        state = load_checkpoint(path, required=("model", "optimizer", "global_step", "config"))
+        return resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
+                              required=("model", "optimizer", "global_step", "config"))
     except CheckpointError as err:
         fail(f"--resume {cfg.resume}: {err}")
-    if state["config"].get("env_id") != cfg.env_id:
-        fail(f"--resume {path}: checkpoint is for env {state['config'].get('env_id')!r}, not {cfg.env_id!r}")
-    return path, state
 
 
 def probe_spaces(cfg: Config):
@@ -343,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     dist = distributed.from_environment(cfg.device)
     seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
     obs_space, act_space = probe_spaces(cfg)
-    resume_path, state = resolve_resume(cfg) if dist.is_main else (None, None)
+    resume_path, state = find_resume(cfg) if dist.is_main else (None, None)
     resume_path, state = dist.broadcast_object((resume_path, state))  # every rank continues rank 0's checkpoint
     if resume_path is not None and cfg.output_dir is None:
         cfg.output_dir = str(resume_path.parent.parent)

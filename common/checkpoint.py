@@ -92,3 +92,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_id: str, seed: int,
+                   required: tuple[str, ...], pattern: str = r".*\.pt") -> tuple[Path | None, dict | None]:
+    """The checkpoint a ``--resume`` value points at, loaded; ``(None, None)`` when there is nothing to resume.
+
+    ``auto`` means the newest checkpoint in ``output_dir`` or, without one, in the newest
+    ``runs/<script>/<env>__<seed>__*`` directory that has one; finding none starts a fresh run
+    (the first run of a cron job). Raises CheckpointError for a file that is not a usable
+    checkpoint or was made for another env; scripts turn that into one line and exit 2.
+    """
+    if resume is None:
+        return None, None
+    if resume == "auto":
+        search = [Path(output_dir)] if output_dir else sorted(
+            Path("runs", script).glob(f"{env_id.replace('/', '_')}__{seed}__*"), key=os.path.getmtime)
+        for run_dir in reversed(search):
+            path = latest_checkpoint(run_dir / "checkpoints", pattern)
+            if path is not None:
+                break
+        else:
+            return None, None
+    else:
+        path = Path(resume)
+    state = load_checkpoint(path, required=required)
+    saved_env = state["config"].get("env_id") if isinstance(state.get("config"), dict) else None
+    if saved_env is not None and saved_env != env_id:
+        raise CheckpointError(f"{path}: checkpoint is for env {saved_env!r}, not {env_id!r}")
+    return path, state
