@@ -142,9 +142,9 @@ class UltraTrainingConfig:
         require(self.mixed_precision in ("auto", "bf16", "fp16", "off"), "mixed_precision", self.mixed_precision,
                 "must be auto, bf16, fp16 or off")
         part = self.buffer_size // self.n_workers
-        require(part >= self.envs_per_worker, "buffer_size", self.buffer_size,
-                f"must hold at least envs_per_worker={self.envs_per_worker} transitions per actor "
-                f"({self.n_workers} actors)")
+        burst = self.n_step * self.envs_per_worker  # most transitions one vector step can emit
+        require(part >= burst, "buffer_size", self.buffer_size,
+                f"must hold n_step * envs_per_worker = {burst} transitions per actor ({self.n_workers} actors)")
         device = resolve_device(self.device)
         require(self.mixed_precision != "fp16" or device.startswith("cuda"), "mixed_precision", "fp16",
                 "needs a CUDA device (use bf16 on CPU)")

@@ -169,6 +169,7 @@ class QueueWriter:
                     raise ConnectionError("the learner is gone") from None
 
     def close(self) -> None:
+        self.queue.cancel_join_thread()  # never hang at exit on a learner that stopped reading
         self.queue.close()
 
 
