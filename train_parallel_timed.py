@@ -141,7 +141,7 @@ def collect_rollout(agent: ActorCritic, envs, buf: dict[str, np.ndarray], cols: 
     episodes = []
     for step in range(n_steps):
         obs_tensor = torch.from_numpy(next_obs)
-        action, logprob, _, value = agent.get_action_and_value(obs_tensor)
+        action, logprob, value = agent.act(obs_tensor)
         action_np = action.numpy()
         buf["obs"][step, cols] = next_obs
         buf["actions"][step, cols] = action_np

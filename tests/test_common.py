@@ -22,7 +22,8 @@ from common.config import ConfigError, parse_config, require
 from common.envs import make_vec_env
 from common.networks import ActorCritic, flat_size, read_flat_params, write_flat_params
 from common.ppo import compute_gae
-from common.shm import SHM_DIR as SHM, SharedArray, reclaim_stale_segments, segments_of
+from common.shm import SHM_DIR as SHM
+from common.shm import SharedArray, reclaim_stale_segments, segments_of
 from common.system import assign_devices, resolve_device, threads_per_process
 
 
@@ -257,3 +258,23 @@ def test_stale_segments_of_dead_processes_are_reclaimed(tmp_path):
         mine.unlink()
         stale.unlink(missing_ok=True)
 
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_fast_rollout_sampling_matches_the_distribution(continuous):
+    import gymnasium as gym
+
+    obs_space = gym.spaces.Box(-1, 1, (3,))
+    act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
+    torch.manual_seed(0)
+    agent = ActorCritic(obs_space, act_space)
+    obs = torch.randn(4000, 3) * 3
+    action, logprob, value = agent.act(obs)
+    _, expected_logprob, _, expected_value = agent.get_action_and_value(obs, action)
+    torch.testing.assert_close(logprob, expected_logprob, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(value, expected_value)
+    if not continuous:  # sampled frequencies follow the policy's probabilities
+        probs = agent.distribution(obs[:1].expand(4000, 3)).probs[0]
+        samples = agent.act(obs[:1].expand(4000, 3))[0]
+        freq = torch.bincount(samples, minlength=3).float() / 4000
+        torch.testing.assert_close(freq, probs.detach(), atol=0.03, rtol=0)
