@@ -87,6 +87,13 @@ class ActorCritic(nn.Module):
 
     def get_action_and_value(self, obs: torch.Tensor, action: torch.Tensor | None = None):
         """Sample (or score a given) action: returns action, log-prob, entropy, value."""
+        if self.discrete and action is not None:
+            # The PPO update's hot path: categorical log-prob and entropy straight from logits.
+            flat = obs.flatten(1)
+            log_probs = torch.log_softmax(self.actor(flat), dim=-1)
+            logprob = log_probs.gather(1, action.long().unsqueeze(1)).squeeze(1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            return action, logprob, entropy, self.critic(flat).squeeze(-1)
         dist = self.distribution(obs)
         if action is None:
             action = dist.sample()

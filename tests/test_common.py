@@ -270,9 +270,14 @@ def test_fast_rollout_sampling_matches_the_distribution(continuous):
     agent = ActorCritic(obs_space, act_space)
     obs = torch.randn(4000, 3) * 3
     action, logprob, value = agent.act(obs)
-    _, expected_logprob, _, expected_value = agent.get_action_and_value(obs, action)
-    torch.testing.assert_close(logprob, expected_logprob, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(value, expected_value)
+    dist = agent.distribution(obs)
+    expected_logprob = dist.log_prob(action).sum(-1) if continuous else dist.log_prob(action)
+    expected_entropy = dist.entropy().sum(-1) if continuous else dist.entropy()
+    torch.testing.assert_close(logprob, expected_logprob.detach(), rtol=1e-4, atol=1e-4)
+    _, scored_logprob, entropy, scored_value = agent.get_action_and_value(obs, action)
+    torch.testing.assert_close(scored_logprob, expected_logprob, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(value, scored_value.detach())
     if not continuous:  # sampled frequencies follow the policy's probabilities
         probs = agent.distribution(obs[:1].expand(4000, 3)).probs[0]
         samples = agent.act(obs[:1].expand(4000, 3))[0]
