@@ -110,6 +110,7 @@ def bench_connect_four(opts) -> None:
 def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -> tuple[float, float]:
     import gymnasium as gym
 
+    from common import envs  # noqa: F401  (registers ConnectFour-v0)
     from common.manager import ManagerConfig, ParallelManager, WorkerSpec
     from common.networks import QNetwork
 
