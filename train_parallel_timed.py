@@ -22,6 +22,7 @@ import os
 # 100x slower inference) as soon as the cores are shared with workers or anything else.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import copy
 import math
 import sys
 import time
@@ -205,16 +206,25 @@ def rollout_worker(index: int, conn, cfg_dict: dict, specs: dict, first_env: int
 
 
 class InProcessCollector:
-    """Sequential baseline: the rollout runs in this process with the learner's own network."""
+    """Sequential baseline: the rollout runs in this process.
+
+    It acts with the learner's own network on the CPU, or with a CPU copy refreshed from
+    the published parameters when the learner lives on a GPU (rollouts step one small
+    batch at a time, where a GPU only adds transfer latency).
+    """
 
     def __init__(self, cfg: Config, agent: ActorCritic, buf, seed: int):
-        self.cfg, self.agent, self.buf = cfg, agent, buf
+        self.cfg, self.buf = cfg, buf
+        self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
+        self.agent = agent if self.learner_on_cpu else copy.deepcopy(agent).cpu()
         self.envs = make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed)
         self.low, self.high = action_bounds(self.envs.single_action_space)
         self.next_obs = self.envs.reset().astype(np.float32)
         self.restarts = 0
 
     def collect(self) -> tuple[list[dict], int]:
+        if not self.learner_on_cpu:
+            read_flat_params(self.agent, self.buf["params"])
         cols = slice(0, self.cfg.num_envs_per_worker)
         self.next_obs, episodes = collect_rollout(self.agent, self.envs, self.buf, cols, self.cfg.n_steps,
                                                   self.next_obs, self.low, self.high)
