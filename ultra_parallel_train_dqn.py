@@ -461,7 +461,8 @@ class Learner:
         self.q_net.load_state_dict(state["model"])
         self.target_net.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state.get("scaler") and self.scaler.is_enabled():  # empty when saved without fp16
+            self.scaler.load_state_dict(state["scaler"])
         self.updates = int(state["updates"])
 
 

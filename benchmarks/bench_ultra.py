@@ -135,8 +135,10 @@ def bench_throughput(seconds: float) -> None:
                      f"(replay ratio, batch, network); target at least 1.5x.")
     lines += ["", "Env steps/s is over the whole run (steps / training wall time); updates/s and samples/s average the "
               "metrics rows after the first quarter (learning starts after the warm-up). Learner settings: "
-              "configs/ultra_cartpole.yaml, replay ratio 8. 'no rate limit' lets actors run free (Ape-X); the "
-              "default async mode holds actors to the replay ratio like the sync mode does."]
+              "configs/ultra_cartpole.yaml (batch, network, replay ratio). 'no rate limit' lets actors run free "
+              "(Ape-X); the default async mode holds actors to the replay ratio as the sync mode does. On a "
+              "machine loaded above its core count, a run with more busy processes also gets a larger share of "
+              "the contended cores, which flatters async; compare at low load."]
     write("ultra_throughput", f"Actor and learner throughput, CartPole-v1, {seconds:g} s per run",
           f"python benchmarks/bench_ultra.py throughput --seconds {seconds:g}", lines)
 

@@ -134,9 +134,10 @@ def test_queue_fallback_prioritized_bf16_grid_coverage(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = summary_of(tmp_path / "run")
     assert summary["replay_backend"] == "queue" and summary["precision"] == "bf16" and summary["prioritized"]
-    assert summary["updates"] > 0 and summary["final_mean_coverage"] is None or summary["final_mean_coverage"] > 0
+    assert summary["updates"] > 0 and summary["global_step"] >= 6000
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
-    assert any(r["coverage"] for r in rows)
+    coverage = [float(r["coverage"]) for r in rows if r["coverage"]]
+    assert coverage and all(0 < c <= 1 for c in coverage)
     assert len(list((tmp_path / "run" / "checkpoints").glob("ultra_model_ep*.pth"))) <= 2
 
 
