@@ -654,6 +654,12 @@ class Coordinator:
                                        tc.stop_timeout_s)
                         status.failures.append("did not stop in time; terminated")
                         status.gave_up = True
+                        process = self.pool.workers[index].process
+                        process.terminate()
+                        process.join(2.0)
+                        if process.is_alive():  # it does not even take SIGTERM (e.g. stopped): kill it
+                            process.kill()
+                            process.join(2.0)
                 break
             if now >= next_summary:
                 next_summary = now + tc.summary_every_s

@@ -172,6 +172,25 @@ def test_sigint_saves_every_worker_then_resume_auto_continues(tmp_path, cache_di
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_hangs_on_stop_is_terminated(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = start_script(SCRIPT, *FAST, "--num-workers", "1", "--cache-dir", cache_dir, "--output-dir", out,
+                        "--max-steps-per-worker", "1000000", "--stop-timeout-s", "2")
+    try:
+        log = out / "logs" / "main.log"
+        assert wait_for(lambda: len(worker_pids(log)) == 1, 60, proc)
+        os.kill(worker_pids(log)[0], signal.SIGSTOP)  # frozen: it can neither finish its rollout nor save
+        os.kill(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 130, output[-3000:]
+    assert "worker 0 did not stop within 2 s; terminating it" in log.read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"][0]["gave_up"] and "did not stop in time" in summary["workers"][0]["failures"][0]
+
+
+@pytest.mark.timeout(60)
 def test_coordinator_kill9_workers_exit_and_memory_is_reclaimed(tmp_path, cache_dir):
     out = tmp_path / "run"
     proc = start_script(SCRIPT, *FAST, "--cache-dir", cache_dir, "--output-dir", out,
