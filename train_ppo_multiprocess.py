@@ -419,6 +419,9 @@ class Worker:
         wall_offset = st["wall_time"]
         next_report = (st["global_step"] // cfg.progress_every + 1) * cfg.progress_every
         generator = torch.Generator().manual_seed(cfg.seed + self.index * 7919 + st["updates"])
+        # The envs' state is not in a checkpoint; a resumed worker re-seeds them by its step
+        # so that it does not replay the windows it started with.
+        self.envs.seed += st["global_step"]
         next_obs = self.envs.reset().astype(np.float32)
         finished_eps: list[dict] = []
         try:
