@@ -455,7 +455,6 @@ class _MarketCore:
         sell_ok = sell & (self.lots[rows, item] > 0)
 
         self.cash += np.where(buy_ok, -(cost + buy_fee), 0.0) + np.where(sell_ok, proceeds - sell_fee, 0.0)
-        self.cash = np.maximum(self.cash, 0.0)  # rounding can leave -1e-12 after spending it all
         self.lots[rows, item] += buy_ok.astype(np.int64) - sell_ok.astype(np.int64)
         self.fees += np.where(buy_ok, buy_fee, 0.0) + np.where(sell_ok, sell_fee, 0.0)
         self.trades += buy_ok | sell_ok
