@@ -62,6 +62,7 @@ class ManagerConfig:
     experience_queue_size: int = 2  # messages a worker may have waiting for the learner (bounded queue)
     control_queue_size: int = 16  # commands that may wait for a worker (bounded queue)
     envs_per_worker: int = 0  # environments a worker steps together; 0 = games_per_worker
+    hang_timeout: float = 300.0  # a worker awaited this long without a message is killed and restarted (0 = never)
 
 
 @dataclass
@@ -585,6 +586,7 @@ class WorkerState:
     episodes: int = 0  # episodes received from this worker (all its incarnations)
     batches: int = 0
     last_seen: float = 0.0
+    heard_since_spawn: bool = False  # startup (spawn, imports) can be slow: no hang check before the first message
     error: str | None = None
     pending_evals: list[dict[str, Any]] = field(default_factory=list)
 
@@ -647,6 +649,7 @@ class ParallelManager:
         state.reset_acked = True
         state.error = None
         state.last_seen = time.monotonic()
+        state.heard_since_spawn = False
 
     def stop_workers(self, timeout: float = 10.0) -> None:
         """Ask every worker to close, then terminate and kill stragglers. Safe to call twice."""
@@ -713,6 +716,7 @@ class ParallelManager:
             if not waiting_for or remaining <= 0:
                 break
             self._pump(min(remaining, 1.0), waiting_for)
+            self._kill_hung(waiting_for)
         self._pump(0.0, self._active())
         batches, self._batches = self._batches, []
         return batches
@@ -735,9 +739,25 @@ class ParallelManager:
             time.sleep(min(timeout, 0.05))
         self._check_deaths()
 
+    def _kill_hung(self, indices: list[int]) -> None:
+        """SIGKILL awaited workers silent for ``hang_timeout`` s since their last message; the
+        next check restarts them. A worker still starting up is never taken for hung."""
+        if self.config.hang_timeout <= 0:
+            return
+        now = time.monotonic()
+        for index in indices:
+            state = self.workers[index]
+            silent = now - state.last_seen
+            if state.heard_since_spawn and silent > self.config.hang_timeout and state.process.is_alive():
+                log.error("rollout worker %d (pid %d) sent nothing for %.0fs: presumed hung, killing it",
+                          index, state.process.pid, silent)
+                state.process.kill()
+                state.process.join(5.0)
+
     def _handle(self, kind: str, index: int, payload: dict[str, Any]) -> None:
         state = self.workers[index]
         state.last_seen = time.monotonic()
+        state.heard_since_spawn = True
         state.model_version = payload.get("version", state.model_version)
         if kind == "episodes":
             batch: ExperienceBatch = payload["batch"]

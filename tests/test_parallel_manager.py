@@ -168,12 +168,22 @@ def test_crash_and_kill_are_restarted_with_current_weights(caplog):
         m.stop_workers()
 
 
-@pytest.mark.timeout(60)
-def test_stop_removes_a_worker_that_ignores_stop():
-    m = manager(num_workers=1)
+@pytest.mark.timeout(90)
+def test_hung_worker_is_replaced_and_stop_kills_one_that_ignores_stop(caplog):
+    m = manager(num_workers=1, hang_timeout=2.0)
     m.start_workers()
-    m.collect_experiences(timeout=30)
-    process = m.workers[0].process
-    os.kill(process.pid, signal.SIGSTOP)  # it can no longer read its stop message
-    m.stop_workers(timeout=1.0)
+    try:
+        m.collect_experiences(timeout=30)
+        hung = m.workers[0].process
+        os.kill(hung.pid, signal.SIGSTOP)  # alive but silent
+        deadline = time.monotonic() + 30
+        while m.workers[0].restarts == 0 and time.monotonic() < deadline:
+            m.collect_experiences(timeout=1.0)
+        assert m.workers[0].restarts == 1 and not hung.is_alive()
+        assert "presumed hung" in caplog.text
+        assert any(b.worker == 0 for b in m.collect_experiences(timeout=30))
+        process = m.workers[0].process
+        os.kill(process.pid, signal.SIGSTOP)  # it can no longer read its stop message
+    finally:
+        m.stop_workers(timeout=1.0)
     assert not process.is_alive()
