@@ -679,7 +679,9 @@ class ParallelManager:
             self._epsilon = epsilon
         payload = {"model": self._model if model_state is not None else None, "epsilon": epsilon}
         for index in self._live():
-            self.communicator.send(index, "sync", payload)
+            # Weights are latest-wins: a worker whose command queue is full is behind anyway and
+            # gets the next version, so the learner never waits long on it.
+            self.communicator.send(index, "sync", payload, timeout=1.0)
         return self.model_version
 
     @property
