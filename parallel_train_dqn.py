@@ -82,6 +82,7 @@ class Config:
     learning_starts: int = 1_000  # transitions in the buffer before the first update
     learning_rate: float = 5e-4  # Adam step size
     gamma: float = 0.99  # discount factor
+    n_step: int = 1  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n)
     target_update_interval: int = 250  # learner steps between target-network updates
     tau: float = 1.0  # target update rate: 1 = hard copy, < 1 = Polyak averaging at every interval
     max_grad_norm: float = 10.0  # gradient-norm clipping
@@ -118,7 +119,7 @@ class Config:
     def validate(self) -> None:
         require_env_id(self.env_id)
         require(self.num_workers >= 1, "num_workers", self.num_workers, "must be >= 1")
-        require_positive(self, "episodes_per_batch", "batch_size", "buffer_size", "learning_rate",
+        require_positive(self, "n_step", "episodes_per_batch", "batch_size", "buffer_size", "learning_rate",
                          "target_update_interval", "max_grad_norm", "epsilon_decay_batches", "eval_episodes",
                          "snapshot_interval", "pool_size", "timeout", "duration", "checkpoint_interval_s",
                          "log_interval_s", "experience_batch_size", "model_sync_interval", "experience_queue_size")
@@ -332,8 +333,8 @@ def train(cfg: Config, manager: ParallelManager, q_net, target_net, optimizer, b
                 log.warning("no experience from any worker within %.0fs; status: %s", cfg.timeout,
                             manager.get_status()["workers"])
                 continue
-            batch_stats = add_to_buffer(buffer, batches, counters, recent, manager.model_version,
-                                        mirror=cfg.mirror_augment and cfg.env_id == "ConnectFour-v0")
+            batch_stats = add_to_buffer(buffer, batches, counters, recent, manager.model_version, cfg.gamma,
+                                        cfg.n_step, mirror=cfg.mirror_augment and cfg.env_id == "ConnectFour-v0")
             learn_start = time.perf_counter()
             updates = round(cfg.replay_ratio * batch_stats["steps"]) if cfg.replay_ratio > 0 else cfg.updates_per_batch
             losses, q_means = learn(cfg, q_net, target_net, optimizer, buffer, counters, device, updates)
@@ -411,8 +412,8 @@ def stop_reason(cfg: Config, counters: dict, recent: deque, last_eval: dict, sta
     return None
 
 
-def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, version: int,
-                  mirror: bool = False) -> dict[str, float]:
+def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, version: int, gamma: float,
+                  n_step: int, mirror: bool = False) -> dict[str, float]:
     """Add every episode of the batches to the replay buffer in one go; returns batch statistics.
 
     With ``mirror`` (board games whose last observation axis is the action's column) each
@@ -424,12 +425,12 @@ def add_to_buffer(buffer: ReplayBuffer, batches, counters: dict, recent: deque, 
         staleness.append(version - batch.model_version)
         for episode in batch.episodes:
             buffer.add_episode(episode["obs"], episode["actions"], episode["rewards"], episode["terminated"],
-                               episode.get("masks"))
+                               episode.get("masks"), gamma, n_step)
             if mirror:
                 masks = episode.get("masks")
                 buffer.add_episode(episode["obs"][..., ::-1], episode["obs"].shape[-1] - 1 - episode["actions"],
                                    episode["rewards"], episode["terminated"],
-                                   masks[:, ::-1] if masks is not None else None)
+                                   masks[:, ::-1] if masks is not None else None, gamma, n_step)
             returns.append(episode["return"])
             lengths.append(episode["length"])
             if "result" in episode:
@@ -456,7 +457,8 @@ def learn(cfg: Config, q_net, target_net, optimizer, buffer: ReplayBuffer, count
         next_mask = torch.as_tensor(sample.next_masks, device=device) if sample.next_masks is not None else None
         loss, td_abs = double_dqn_loss(q_net, target_net, obs, torch.as_tensor(sample.actions, device=device),
                                        torch.as_tensor(sample.rewards, device=device), next_obs,
-                                       torch.as_tensor(sample.dones, device=device), cfg.gamma, next_mask)
+                                       torch.as_tensor(sample.dones, device=device),
+                                       torch.as_tensor(sample.discounts, device=device), next_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(q_net.parameters(), cfg.max_grad_norm)

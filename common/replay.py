@@ -2,10 +2,12 @@
 
 Layout (one row per transition, a ring over ``capacity`` rows): ``obs``, ``next_obs``,
 ``actions``, ``rewards``, ``dones`` (terminal, i.e. no bootstrap; a time-limit
-truncation is not terminal) and, for environments with legal-action masks,
+truncation is not terminal), ``discounts`` (the factor of the bootstrapped value:
+gamma, or gamma**k for a k-step return) and, for environments with legal-action masks,
 ``next_masks`` so that the target's max runs over legal next actions only. Whole
 episodes are added in one call (``add_episode``) from a compact form: T+1
-observations and T actions/rewards. Memory is checked before allocation: a buffer
+observations and T actions/rewards; as the whole episode is at hand, n-step returns
+cost nothing extra there. Memory is checked before allocation: a buffer
 that does not fit in the available RAM is refused with a one-line reason.
 """
 
@@ -31,6 +33,7 @@ class ReplaySample:
     rewards: np.ndarray
     next_obs: np.ndarray
     dones: np.ndarray
+    discounts: np.ndarray
     next_masks: np.ndarray | None
     indices: np.ndarray
 
@@ -38,7 +41,7 @@ class ReplaySample:
 def replay_bytes(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actions: int | None) -> int:
     """Bytes a :class:`ReplayBuffer` of ``capacity`` transitions allocates."""
     obs_bytes = int(np.prod(obs_shape)) * np.dtype(obs_dtype).itemsize
-    per_row = 2 * obs_bytes + 8 + 4 + 1 + (num_actions or 0)
+    per_row = 2 * obs_bytes + 8 + 4 + 1 + 4 + (num_actions or 0)
     return capacity * per_row
 
 
@@ -68,6 +71,7 @@ class ReplayBuffer:
         self.actions = np.zeros(capacity, dtype=np.int64)
         self.rewards = np.zeros(capacity, dtype=np.float32)
         self.dones = np.zeros(capacity, dtype=bool)
+        self.discounts = np.zeros(capacity, dtype=np.float32)
         self.next_masks = np.ones((capacity, num_actions), dtype=bool) if num_actions else None
         self.pos = 0  # next row to write
         self.size = 0
@@ -78,15 +82,17 @@ class ReplayBuffer:
         return self.size
 
     def add_batch(self, obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, next_obs: np.ndarray,
-                  dones: np.ndarray, next_masks: np.ndarray | None = None) -> None:
+                  dones: np.ndarray, next_masks: np.ndarray | None = None,
+                  discounts: np.ndarray | float = 0.99) -> None:
         """Append ``n`` transitions (wrapping around, overwriting the oldest when full)."""
         n = len(actions)
         if n == 0:
             return
+        discounts = np.broadcast_to(np.asarray(discounts, dtype=np.float32), (n,))
         if n > self.capacity:  # only the newest capacity rows can survive anyway
             cut = n - self.capacity
             obs, actions, rewards = obs[cut:], actions[cut:], rewards[cut:]
-            next_obs, dones = next_obs[cut:], dones[cut:]
+            next_obs, dones, discounts = next_obs[cut:], dones[cut:], discounts[cut:]
             next_masks = next_masks[cut:] if next_masks is not None else None
             n = self.capacity
         rows = (self.pos + np.arange(n)) % self.capacity
@@ -95,6 +101,7 @@ class ReplayBuffer:
         self.actions[rows] = actions
         self.rewards[rows] = rewards
         self.dones[rows] = dones
+        self.discounts[rows] = discounts
         if self.next_masks is not None:
             self.next_masks[rows] = True if next_masks is None else next_masks
         self.pos = int((self.pos + n) % self.capacity)
@@ -102,20 +109,31 @@ class ReplayBuffer:
         self.added += n
 
     def add_episode(self, obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: bool,
-                    masks: np.ndarray | None = None) -> None:
+                    masks: np.ndarray | None = None, gamma: float = 0.99, n_step: int = 1) -> None:
         """Add one episode given T+1 observations (the last is the final one), T actions and rewards.
 
-        ``terminated`` is False for an episode cut by a time limit: its last transition
-        then bootstraps. ``masks`` are the T+1 legal-action masks of the observations.
+        ``terminated`` is False for an episode cut by a time limit: its last transitions
+        then bootstrap. ``masks`` are the T+1 legal-action masks of the observations.
+        With ``n_step`` > 1 the row of step t holds the discounted sum of rewards t..t+n-1
+        (fewer at the episode's end), the observation n steps later and gamma**k.
         """
         steps = len(actions)
-        dones = np.zeros(steps, dtype=bool)
-        dones[-1] = bool(terminated)
-        next_masks = masks[1:] if masks is not None else None
-        self.add_batch(obs[:-1], actions, rewards, obs[1:], dones, next_masks)
+        t = np.arange(steps)
+        ahead = np.minimum(t + n_step, steps)  # index of the bootstrap observation
+        k = ahead - t
+        rewards = np.asarray(rewards, dtype=np.float64)
+        if n_step > 1:
+            padded = np.concatenate([rewards, np.zeros(n_step)])
+            returns = sum(gamma**i * padded[t + i] * (i < k) for i in range(n_step))
+        else:
+            returns = rewards
+        dones = (ahead == steps) & bool(terminated)
+        next_masks = masks[ahead] if masks is not None else None
+        self.add_batch(obs[:-1], actions, returns.astype(np.float32), obs[ahead], dones, next_masks,
+                       (gamma**k).astype(np.float32))
 
     def sample(self, batch_size: int) -> ReplaySample:
         indices = self.rng.integers(0, self.size, size=batch_size)
         return ReplaySample(self.obs[indices], self.actions[indices], self.rewards[indices],
-                            self.next_obs[indices], self.dones[indices],
+                            self.next_obs[indices], self.dones[indices], self.discounts[indices],
                             self.next_masks[indices] if self.next_masks is not None else None, indices)

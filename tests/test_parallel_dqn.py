@@ -68,6 +68,19 @@ def test_replay_episode_layout_and_masks():
     assert sample.obs.shape == (16, 2) and sample.next_masks.shape == (16, 3)
 
 
+def test_replay_n_step_returns_from_whole_episodes():
+    buffer = ReplayBuffer(8, (1,), np.float32, num_actions=2)
+    obs = np.arange(5, dtype=np.float32)[:, None]
+    masks = np.array([[1, 1], [1, 0], [0, 1], [1, 1], [1, 1]], dtype=bool)
+    buffer.add_episode(obs, np.zeros(4, dtype=np.int64), np.array([1.0, 2.0, 3.0, 4.0]), True, masks,
+                       gamma=0.5, n_step=2)
+    assert buffer.rewards[:4].tolist() == [2.0, 3.5, 5.0, 4.0]       # r_t + 0.5 r_t+1, cut at the end
+    assert buffer.next_obs[:4, 0].tolist() == [2.0, 3.0, 4.0, 4.0]   # two steps ahead, final obs at the end
+    assert buffer.discounts[:4].tolist() == [0.25, 0.25, 0.25, 0.5]
+    assert buffer.dones[:4].tolist() == [False, False, True, True]
+    assert (buffer.next_masks[:4] == masks[[2, 3, 4, 4]]).all()
+
+
 def test_replay_refuses_a_buffer_larger_than_ram():
     with pytest.raises(ReplayMemoryError, match="RAM"):
         check_replay_memory(10**12, (84,), np.float32, 7)
