@@ -114,6 +114,7 @@ def test_worker_crash_and_kill9_are_restarted_from_checkpoints(tmp_path, cache_d
     try:
         log = out / "logs" / "main.log"
         assert wait_for_file(out / "checkpoints" / "worker_1_step_2048.pt", 60, proc)
+        assert wait_for(lambda: 1 in worker_pids(log), 10, proc)
         pid = worker_pids(log)[1]
         os.kill(pid, signal.SIGKILL)
         output, _ = proc.communicate(timeout=100)
