@@ -46,18 +46,18 @@ def wait_for_metrics(run_dir: Path, rows: int, proc, timeout: float = 60) -> Non
     raise AssertionError(f"no {rows} metric rows in time; output:\n{proc.stdout.read() if proc.poll() else ''}")
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers):
+@pytest.mark.parametrize("workers, env_id", [(0, "CartPole-v1"), (2, "CartPole-v1"), (1, "Pendulum-v1")])
+def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
     run_dir = tmp_path / f"w{workers}"
     result = run_script(SCRIPT, *TINY, "--num-workers", workers, "--total-timesteps", 2000,
-                        "--output-dir", run_dir, "--tensorboard")
+                        "--output-dir", run_dir, "--tensorboard", "--env-id", env_id)
     assert result.returncode == 0, result.stderr
     for path in ("config.yaml", "logs/main.log", "metrics.csv", "checkpoints/latest.pt", "summary.json",
                  "plots/training_curve.png"):
         assert (run_dir / path).is_file(), path
     assert list((run_dir / "tb").iterdir()), "no TensorBoard events"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert config["num_workers"] == workers and config["env_id"] == "CartPole-v1"
+    assert config["num_workers"] == workers and config["env_id"] == env_id
     rows = metrics_rows(run_dir)
     assert list(rows[0])[:6] == ["wall_time", "global_step", "episodes", "episodic_return", "episodic_length", "sps"]
     steps_per_update = 32 * 4 * max(1, workers)
