@@ -69,14 +69,14 @@ class Config:
     total_episodes: int | None = None  # also stop after this many finished episodes
     duration: float | None = 0.17  # hours of wall time for this invocation; stops after the update in flight
     target_return: float | None = 200.0  # stop once the mean of the last 100 episode returns reaches this
-    learning_rate: float = 1e-3  # Adam step size (annealed linearly to 0 over total_timesteps when anneal_lr)
+    learning_rate: float = 5e-4  # Adam step size (annealed linearly to 0 over total_timesteps when anneal_lr)
     anneal_lr: bool = True  # linearly decay the learning rate
     gamma: float = 0.999  # discount factor
     gae_lambda: float = 0.98  # GAE lambda
-    batch_size: int = 1024  # minibatch size; must divide the rollout (n_steps * envs in total)
+    batch_size: int = 256  # minibatch size; must divide the rollout (n_steps * envs in total)
     n_epochs: int = 4  # passes over each rollout
     clip_coef: float = 0.2  # PPO surrogate (and value) clipping range
-    clip_vloss: bool = True  # clip the value loss as in the PPO paper's code
+    clip_vloss: bool = False  # clip the value loss as in the PPO paper's code (slows learning of large returns)
     ent_coef: float = 0.01  # entropy bonus
     vf_coef: float = 0.5  # value loss weight
     max_grad_norm: float = 0.5  # gradient-norm clipping
