@@ -219,7 +219,7 @@ def recommend(facts: dict) -> Recommendation:
                               {"num_workers": workers, "device": "cuda:0", "batch_size": 256}, refused, warnings)
     sync_workers = max(1, cores)
     envs = 8
-    batch = 1024 if sync_workers * envs * 256 % 1024 == 0 else 256
+    batch = 256  # the script's tuned minibatch; it divides every rollout of 8 envs x 256 steps
     why = ("few cores and no GPU: synchronous PPO" if cores < 8 else f"{cores} cores and no GPU: synchronous PPO")
     return Recommendation("timed", ["--num-workers", str(sync_workers), "--num-envs-per-worker", str(envs),
                                     "--batch-size", str(batch), "--device", "cpu"],
