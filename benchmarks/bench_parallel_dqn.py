@@ -52,7 +52,8 @@ def bench_cartpole(opts) -> None:
     for seed in opts.seeds:
         out = Path(opts.work_dir) / f"cartpole_{seed}_{int(time.time())}"
         result = run_training(["--config", str(ROOT / "configs" / "parallel_dqn_cartpole.yaml"), "--seed", str(seed),
-                               "--num-workers", str(opts.workers), "--no-tensorboard"], out, opts.timeout)
+                               "--num-workers", str(opts.workers), "--no-tensorboard",
+                               *(opts.extra.split() if opts.extra else [])], out, opts.timeout)
         rows.append((seed, result))
         print(f"seed {seed}: solved_at_s={result.get('solved_at_s')} wall={result['process_wall_s']:.1f}s "
               f"mean100={result.get('return_mean100')}", flush=True)
@@ -61,10 +62,11 @@ def bench_cartpole(opts) -> None:
     median = statistics.median(times)
     lines = ["# parallel_train_dqn.py: CartPole-v1 time to solve", "",
              f"Solved = mean of the last 100 training-episode returns >= 475. "
-             f"Config `configs/parallel_dqn_cartpole.yaml`, {opts.workers} rollout worker(s).", "",
+             f"Config `configs/parallel_dqn_cartpole.yaml`{' + ' + opts.extra if opts.extra else ''}, "
+             f"{opts.workers} rollout worker(s).", "",
              f"- before: {load_before}", f"- after: {machine_line()}",
              f"- command: `python benchmarks/bench_parallel_dqn.py cartpole --seeds {' '.join(map(str, opts.seeds))} "
-             f"--workers {opts.workers}`", "",
+             f"--workers {opts.workers}{' --extra ' + repr(opts.extra) if opts.extra else ''}`", "",
              "| seed | solved at (s, training time) | process wall (s) | env steps | episodes | learner steps |",
              "|---|---|---|---|---|---|"]
     for seed, r in rows:
@@ -214,6 +216,7 @@ def main() -> None:
     cartpole.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     cartpole.add_argument("--workers", type=int, default=1)
     cartpole.add_argument("--timeout", type=float, default=600)
+    cartpole.add_argument("--extra", default="", help="more flags for the training script, in one string")
     c4 = sub.add_parser("connect-four", help="self-play win rates after a fixed training time")
     c4.add_argument("--minutes", type=float, default=15)
     c4.add_argument("--workers", type=int, default=1)
