@@ -83,6 +83,7 @@ class Config:
     norm_adv: bool = True  # normalize advantages per minibatch
     target_kl: float | None = None  # stop the epochs of an update early past this approximate KL
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
+    torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
     output_dir: str | None = None  # run directory (default runs/train_parallel_timed/<env>__<seed>__<time>)
     resume: str | None = None  # checkpoint path, or auto = newest checkpoint of this run directory
@@ -103,6 +104,7 @@ class Config:
                 f"must divide the rollout of n_steps * envs = {self.n_steps} * {self.total_envs} = {rollout}")
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        require(self.torch_threads >= 0, "torch_threads", self.torch_threads, "must be >= 0 (0 = all cores)")
         require(self.max_worker_restarts >= 0, "max_worker_restarts", self.max_worker_restarts, "must be >= 0")
         require(all(h > 0 for h in self.hidden_sizes), "hidden_sizes", self.hidden_sizes, "widths must be > 0")
         resolve_device(self.device)
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     # Workers sit idle while the learner updates, so the update may use every core.
-    torch.set_num_threads(threads_per_process(1))
+    torch.set_num_threads(cfg.torch_threads or threads_per_process(1))
     device = torch.device(resolve_device(cfg.device))
 
     agent = ActorCritic(obs_space, act_space, tuple(cfg.hidden_sizes)).to(device)
