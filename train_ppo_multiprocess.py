@@ -18,9 +18,14 @@ perturbed copies of the strongest.
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads must sleep, not spin: spinning threads collapse throughput as soon as
+# the cores are shared with workers or anything else (see the README's "Threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import logging
 import math
-import os
 import signal
 import sys
 import threading
