@@ -286,7 +286,9 @@ def actor_main(index: int, conn, cfg_dict: dict, control_specs: dict, replay_spe
             if vstep % cfg.weight_poll_steps == 0 and shared["version"][1] != version:
                 version = fetch_weights(q_net, shared, scratch) or version
                 shared["actor_version"][index] = version
-            global_step = int(shared["control"][1] + shared["actor_steps"].sum())
+            # The run's step count estimated from this actor's own progress: reading the other actors'
+            # counters would make exploration depend on scheduling, and sync runs unrepeatable.
+            global_step = int(shared["control"][1] + shared["actor_steps"][index] * cfg.n_workers)
             epsilon = actor_epsilon(cfg, index, global_step)
             with torch.inference_mode():
                 actions = q_net(torch.from_numpy(obs)).argmax(dim=1).numpy()
@@ -313,7 +315,7 @@ def actor_main(index: int, conn, cfg_dict: dict, control_specs: dict, replay_spe
         pass  # the learner is gone; exit quietly
     finally:
         envs.close()
-        replay.close()
+        replay.close(flush=False)  # the run is ending: do not wait for the learner to read queued batches
         shared.clear()
         for handle in handles:
             handle.close()

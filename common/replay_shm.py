@@ -142,7 +142,8 @@ class SharedWriter:
     def add(self, batch: dict[str, np.ndarray]) -> None:
         write_batch(self.arrays, self.layout.part_capacity, self.writer, batch)
 
-    def close(self) -> None:
+    def close(self, flush: bool = True) -> None:
+        """Detach (``flush`` is for the queue writer's interface; shared writes are already visible)."""
         self.arrays = {}
         for handle in self._handles:
             handle.close()
@@ -168,8 +169,10 @@ class QueueWriter:
                 if not self.alive():
                     raise ConnectionError("the learner is gone") from None
 
-    def close(self) -> None:
-        self.queue.cancel_join_thread()  # never hang at exit on a learner that stopped reading
+    def close(self, flush: bool = True) -> None:
+        """``flush=False`` drops batches still in flight, so exit never waits on a learner that stopped reading."""
+        if not flush:
+            self.queue.cancel_join_thread()
         self.queue.close()
 
 
