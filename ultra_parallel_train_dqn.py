@@ -16,6 +16,7 @@ instead, for comparison.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -529,8 +530,6 @@ def main(argv: list[str] | None = None) -> int:
     reclaim_stale_segments()
     run_dir, lock = open_run_dir(run_dir, logger_name=f"prl.{SCRIPT}")
     save_config(cfg, run_dir / "config.yaml")
-    import logging
-
     log = logging.getLogger(f"prl.{SCRIPT}")
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
