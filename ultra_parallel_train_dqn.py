@@ -633,8 +633,8 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
     wall_offset, step_offset = gs["wall_time"], gs["global_step"]
     deadline = start + cfg.duration * 3600 if cfg.duration else math.inf
     last_checkpoint, last_saved_episodes = start, gs["episodes"]
-    inserted_base = replay.inserted()  # the replay ratio counts transitions inserted by this invocation
-    samples_base = 0
+    # The replay ratio and the rate limiter count this invocation's transitions and samples only.
+    inserted_base, samples_at_start, samples_base = replay.inserted(), gs["samples_trained"], 0
     effective_batch = cfg.batch_size * cfg.grad_accum_steps
     version = int(shared["version"][1])
     window = {"time": start, "episodes": [], "losses": [], "updates": 0, "samples": 0, "rejected": 0,
@@ -645,13 +645,10 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
 
     def allow_inserts() -> None:
         if cfg.async_training and cfg.rate_limit:
-            shared["control"][3] = cfg.learning_starts + cfg.rate_limit_slack + \
-                int((gs["samples_trained"] + samples_base) / cfg.replay_ratio) - step_offset_samples
+            shared["control"][3] = cfg.learning_starts + cfg.rate_limit_slack + int(samples_base / cfg.replay_ratio)
         else:
             shared["control"][3] = np.iinfo(np.int64).max
 
-    # The rate limiter counts this invocation's env steps, so a resumed run starts from zero.
-    step_offset_samples = int(gs["samples_trained"] / cfg.replay_ratio)
     allow_inserts()
     actors.go()
 
@@ -750,8 +747,7 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
         if gs["episodes"] - last_saved_episodes >= cfg.save_every_episodes or \
                 now - last_checkpoint >= cfg.checkpoint_interval_s:
             gs["recent_returns"], gs["recent_coverage"] = list(recent_returns), list(recent_coverage)
-            gs["samples_trained"] += samples_base
-            samples_base, inserted_base = 0, replay.inserted()
+            gs["samples_trained"] = samples_at_start + samples_base
             last_good = save_training_checkpoint(cfg, learner, replay, gs, run_dir, log)
             last_checkpoint, last_saved_episodes = now, gs["episodes"]
 
@@ -760,7 +756,7 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
                   mean100, coverage100, recent_coverage, time.monotonic())
     progress.close()
     gs["recent_returns"], gs["recent_coverage"] = list(recent_returns), list(recent_coverage)
-    gs["samples_trained"] += samples_base
+    gs["samples_trained"] = samples_at_start + samples_base
     if exit_code == EXIT_FAILED:
         log.error("training failed: %s; stopping without saving. Last good checkpoint: %s", reason,
                   last_good or "none (no checkpoint was written yet)")

@@ -113,8 +113,9 @@ def summary_of(run_dir):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, threshold", [("--async-training", 50), ("--no-async-training", 75)])
 def test_learns_cartpole_in_both_modes(tmp_path, mode, threshold):
-    proc = run_script(SCRIPT, *CARTPOLE, mode, "--seed", "1", "--total-timesteps", "60000", "--target-return",
-                      str(threshold), "--output-dir", tmp_path / "run", timeout=110)
+    # Checkpoints every 200 episodes: the run must go on past each one (the rate limiter once stalled there).
+    proc = run_script(SCRIPT, *CARTPOLE, mode, "--seed", "1", "--save-every-episodes", "200", "--total-timesteps",
+                      "60000", "--target-return", str(threshold), "--output-dir", tmp_path / "run", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = summary_of(tmp_path / "run")
     assert summary["best_mean_return"] is not None and summary["best_mean_return"] >= threshold, summary
