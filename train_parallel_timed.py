@@ -283,14 +283,14 @@ class WorkerCollector:
     def collect(self) -> tuple[list[dict], int]:
         pending = list(range(self.cfg.num_workers))
         for index in pending:
-            self.pool.send(index, "collect")
+            self._send_collect(index)
         episodes, steps = [], 0
         while pending:
             try:
                 replies = self.pool.gather(pending, "collected", timeout=self.cfg.worker_timeout_s)
             except WorkerDied as err:
                 self._handle_death(err)
-                self.pool.send(err.index, "collect")  # redo its share with the current parameters
+                self._send_collect(err.index)  # redo its share with the current parameters
                 continue
             except TimeoutError as err:
                 raise WorkerDied(-1, str(err)) from None
@@ -299,6 +299,15 @@ class WorkerCollector:
                 steps += self.cfg.n_steps * self.cfg.num_envs_per_worker
                 pending.remove(index)
         return episodes, steps
+
+    def _send_collect(self, index: int) -> None:
+        """Ask one worker for its share of the rollout; a worker found dead is replaced first."""
+        while True:
+            try:
+                self.pool.send(index, "collect")
+                return
+            except WorkerDied as err:  # it died between two rollouts
+                self._handle_death(err)
 
     def close(self) -> None:
         self.pool.stop()

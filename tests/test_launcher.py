@@ -175,7 +175,7 @@ def test_tune_measures_and_caches_the_fastest_setting(tmp_path):
     env = script_env()
     env["PRL_TUNE_CACHE"] = str(cache)
     result = subprocess.run([sys.executable, str(ROOT / LAUNCHER), "--mode", "timed", "--tune", "--trial-seconds",
-                             "2", "--env-id", "CartPole-v1", "--n-steps", "32", "--batch-size", "64",
+                             "1", "--env-id", "CartPole-v1", "--n-steps", "32", "--batch-size", "64",
                              "--target-return", "none"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=190)
     assert result.returncode == 0, result.stdout + result.stderr
