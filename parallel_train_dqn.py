@@ -19,10 +19,15 @@ from both seats. Any single-agent Gymnasium id with a Discrete action space work
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads must sleep, not spin: spinning threads collapse throughput as soon as
+# the cores are shared with workers or anything else (see the README's "Threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import copy
 import logging
 import math
-import os
 import sys
 import time
 from collections import deque
