@@ -474,8 +474,8 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
         allreduce_seconds, allreduce_bytes = dist.allreduce_seconds, dist.allreduce_bytes
         dist.allreduce_seconds, dist.allreduce_bytes = 0.0, 0
         params_hash = distributed.params_digest(agent) if dist.world_size > 1 else ""
-        total_steps, all_episodes, ranks_in_sync = dist.gather_progress(steps, episodes, params_hash)
-        if not ranks_in_sync:
+        total_steps, all_episodes, rank_hashes = dist.gather_progress(steps, episodes, params_hash)
+        if len(set(rank_hashes)) > 1:
             log.error("ranks hold different parameters after update %d", gs["update"] + 1)
             return EXIT_FAILED
         gs["global_step"] += total_steps
@@ -501,7 +501,7 @@ def train(cfg: Config, dist, agent, optimizer, collector, buf, progress_state, r
                    "pss_mb": resources.pss_bytes / 2**20, "worker_restarts": collector.restarts,
                    "world_size": dist.world_size, "update_ms": 1000 * update_seconds,
                    "allreduce_ms": 1000 * allreduce_seconds, "allreduce_kib": allreduce_bytes / 1024,
-                   "params_hash": params_hash}
+                   "params_hash": ":".join(rank_hashes)}
             metrics.write(row)
             progress.update(gs["global_step"], {"return100": mean100, "sps": round(row["sps"]),
                                                 "restarts": collector.restarts})

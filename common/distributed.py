@@ -43,8 +43,9 @@ class SingleProcess:
     def broadcast_model(self, model: torch.nn.Module) -> None:
         pass
 
-    def gather_progress(self, steps: int, episodes: list[dict], params_hash: str = "") -> tuple[int, list[dict], bool]:
-        return steps, episodes, True
+    def gather_progress(self, steps: int, episodes: list[dict],
+                        params_hash: str = "") -> tuple[int, list[dict], list[str]]:
+        return steps, episodes, [params_hash]
 
     def agree_on_stop(self, reason: str | None) -> str | None:
         return reason
@@ -116,13 +117,13 @@ class TorchDistributed:
 
         return hook
 
-    def gather_progress(self, steps: int, episodes: list[dict], params_hash: str = "") -> tuple[int, list[dict], bool]:
-        """Sum of env steps and all finished episodes over ranks, and whether every rank's
-        parameters hash the same (they must, after identical averaged updates)."""
+    def gather_progress(self, steps: int, episodes: list[dict],
+                        params_hash: str = "") -> tuple[int, list[dict], list[str]]:
+        """Sum of env steps and all finished episodes over ranks, and every rank's parameter
+        hash in rank order (they must all be equal after identical averaged updates)."""
         gathered: list[Any] = [None] * self.world_size
         self._call("progress gather", self.dist.all_gather_object, gathered, (steps, episodes, params_hash))
-        in_sync = len({h for _, _, h in gathered}) == 1
-        return sum(s for s, _, _ in gathered), [e for _, eps, _ in gathered for e in eps], in_sync
+        return sum(s for s, _, _ in gathered), [e for _, eps, _ in gathered for e in eps], [h for _, _, h in gathered]
 
     def agree_on_stop(self, reason: str | None) -> str | None:
         """Rank 0's decision (deadline, target reached) holds for every rank."""

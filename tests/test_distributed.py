@@ -39,9 +39,10 @@ def test_two_ranks_stay_identical_and_only_rank_0_writes(tmp_path):
     per_update = 2 * 32 * 4  # both ranks' env steps count
     assert [int(r["global_step"]) for r in metrics] == [per_update * (i + 1) for i in range(len(metrics))]
     assert all(r["world_size"] == "2" for r in metrics)
-    # Every update compared both ranks' parameter hashes; a mismatch would have failed the run.
-    assert len({r["params_hash"] for r in metrics}) == len(metrics)  # parameters change every update...
-    assert "ranks hold different parameters" not in result.stderr  # ...identically on both ranks
+    # Each rank hashed its own parameters after every update; rank 0 recorded both hashes.
+    hashes = [r["params_hash"].split(":") for r in metrics]
+    assert all(len(pair) == 2 and pair[0] == pair[1] for pair in hashes), hashes
+    assert len({pair[0] for pair in hashes}) == len(metrics)  # the parameters really changed every update
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest.pt"]
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["main.log"]
     log = (run_dir / "logs" / "main.log").read_text()
