@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import ROOT, kill_tree, run_script, start_script, wait_for_file
+from conftest import ROOT, kill_tree, run_script, start_script
 
 from common.checkpoint import load_checkpoint
 from common.shm import segments_of
