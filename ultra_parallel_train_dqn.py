@@ -279,7 +279,7 @@ def actor_main(index: int, conn, cfg_dict: dict, control_specs: dict, replay_spe
             if conn.poll(0) and conn.recv()[0] == "close":
                 break
             if not cfg.async_training and shared["actor_vsteps"][index] >= shared["collect_until"][index]:
-                time.sleep(0.0002)  # sync mode: wait for the learner to open the next collect phase
+                time.sleep(0.001)  # sync mode: wait for the learner to open the next collect phase
                 continue
             if shared["actor_steps"].sum() >= shared["control"][3]:
                 time.sleep(0.0002)  # rate limiter: the learner is behind the replay ratio
@@ -534,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     device = torch.device(resolve_device(cfg.device))
-    # Async: actors keep their cores busy, the learner takes what is left. Sync: actors idle while it learns.
-    torch.set_num_threads(max(1, usable_cores() - cfg.n_workers) if cfg.async_training else usable_cores())
+    # The learner takes the cores the actors leave. Also in sync mode: torch's worker threads spin-wait,
+    # and next to polling actors a second thread made updates several times slower, not faster.
+    torch.set_num_threads(max(1, usable_cores() - cfg.n_workers))
 
     learner = Learner(cfg, obs_space, act_space, device)
     gs = {"global_step": 0, "episodes": 0, "wall_time": 0.0, "recent_returns": [], "recent_coverage": [],
