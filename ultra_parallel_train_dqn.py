@@ -16,9 +16,14 @@ instead, for comparison.
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads must sleep, not spin: spinning threads collapse throughput as soon as
+# the cores are shared with actors or anything else (see the README's "Threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import logging
 import math
-import os
 import re
 import sys
 import time
