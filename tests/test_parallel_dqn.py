@@ -188,8 +188,11 @@ def test_killed_worker_restarts_then_sigterm_then_resume(tmp_path):
     proc = start_script(SCRIPT, *CARTPOLE, "--duration", "1", "--output-dir", run, "--resume", "auto",
                         "--max-worker-restarts", "0")
     try:
-        assert wait_for_rows(run / "metrics.csv", rows_before + 4, proc, 60)
-        for worker in rollout_workers(proc):
+        rows_at_resume = len(read_metrics(run / "metrics.csv"))
+        assert wait_for_rows(run / "metrics.csv", rows_at_resume + 2, proc, 60)  # the resumed run is training
+        workers = rollout_workers(proc)
+        assert workers, "no rollout worker found"
+        for worker in workers:
             os.kill(worker.pid, signal.SIGKILL)
         proc.wait(40)
         assert proc.returncode == 1
