@@ -40,8 +40,7 @@ import torch
 
 from common.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
+    resolve_resume,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -183,28 +182,14 @@ def probe_spaces(cfg: Config) -> tuple[gym.Space, gym.Space, bool, bool]:
     return obs_space, act_space, "action_mask" in info, two_player
 
 
-def resolve_resume(cfg: Config) -> tuple[Path | None, dict | None]:
-    """Find and load the checkpoint to resume from, before anything is written (bad file -> exit 2)."""
-    if cfg.resume is None:
-        return None, None
-    if cfg.resume == "auto":
-        search = [Path(cfg.output_dir)] if cfg.output_dir else sorted(
-            Path("runs", SCRIPT).glob(f"{cfg.env_id.replace('/', '_')}__{cfg.seed}__*"), key=os.path.getmtime)
-        for run_dir in reversed(search):
-            path = latest_checkpoint(run_dir / "checkpoints", r".*\.pt")
-            if path is not None:
-                break
-        else:
-            return None, None  # nothing to resume yet: start fresh (first run of a cron job)
-    else:
-        path = Path(cfg.resume)
+def find_resume(cfg: Config) -> tuple[Path | None, dict | None]:
+    """Load the checkpoint to resume from before anything is written (a bad file exits 2)."""
     try:
-        state = load_checkpoint(path, required=("model", "target", "optimizer", "counters", "config"))
+        path, state = resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
+                                     required=("model", "target", "optimizer", "counters", "config"))
     except CheckpointError as err:
         fail(f"--resume {cfg.resume}: {err}")
-    if state["config"].get("env_id") != cfg.env_id:
-        fail(f"--resume {path}: checkpoint is for env {state['config'].get('env_id')!r}, not {cfg.env_id!r}")
-    if list(state["config"].get("hidden_sizes", [])) != list(cfg.hidden_sizes):
+    if state is not None and list(state["config"].get("hidden_sizes", [])) != list(cfg.hidden_sizes):
         fail(f"--resume {path}: checkpoint has hidden sizes {state['config'].get('hidden_sizes')}, "
              f"not {cfg.hidden_sizes}")
     return path, state
@@ -235,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         check_replay_memory(cfg.buffer_size, obs_space.shape, np.float32, act_space.n if masked else None)
     except ReplayMemoryError as err:
         fail(str(ConfigError("buffer_size", cfg.buffer_size, str(err))))
-    resume_path, state = resolve_resume(cfg)
+    resume_path, state = find_resume(cfg)
     if resume_path is not None and cfg.output_dir is None:
         cfg.output_dir = str(resume_path.parent.parent)
     run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(SCRIPT, cfg.env_id, cfg.seed)

@@ -38,7 +38,7 @@ import torch
 from common.checkpoint import (
     CheckpointError,
     latest_checkpoint,
-    load_checkpoint,
+    resolve_resume,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -492,30 +492,17 @@ def probe_spaces(cfg: UltraTrainingConfig):
     return obs_space, act_space
 
 
-def resolve_resume(cfg: UltraTrainingConfig) -> tuple[Path | None, dict | None]:
-    """Find and load the checkpoint to resume from, before anything is written (bad file -> exit 2)."""
-    if cfg.resume is None:
-        return None, None
-    if cfg.resume == "auto":
-        search = [Path(cfg.output_dir)] if cfg.output_dir else sorted(
-            Path("runs", SCRIPT).glob(f"{cfg.env_id.replace('/', '_')}__{cfg.seed}__*"), key=os.path.getmtime)
-        for run_dir in reversed(search):
-            path = latest_checkpoint(run_dir / "checkpoints", CHECKPOINT_PATTERN)
-            if path is not None:
-                break
-        else:
-            return None, None  # nothing to resume yet: start fresh (first run of a cron job)
-    else:
-        path = Path(cfg.resume)
+def find_resume(cfg: UltraTrainingConfig) -> tuple[Path | None, dict | None]:
+    """Load the checkpoint to resume from before anything is written (a bad file exits 2)."""
     try:
-        state = load_checkpoint(path, required=("model", "target", "optimizer", "global_step", "config"))
+        path, state = resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
+                                     required=("model", "target", "optimizer", "global_step", "config"),
+                                     pattern=CHECKPOINT_PATTERN)
     except CheckpointError as err:
         fail(f"--resume {cfg.resume}: {err}")
-    saved = state["config"]
-    if saved.get("env_id") != cfg.env_id:
-        fail(f"--resume {path}: checkpoint is for env {saved.get('env_id')!r}, not {cfg.env_id!r}")
-    if list(saved.get("hidden_sizes", [])) != list(cfg.hidden_sizes):
-        fail(f"--resume {path}: checkpoint has hidden sizes {saved.get('hidden_sizes')}, not {cfg.hidden_sizes}")
+    if state is not None and list(state["config"].get("hidden_sizes", [])) != list(cfg.hidden_sizes):
+        fail(f"--resume {path}: checkpoint has hidden sizes {state['config'].get('hidden_sizes')}, "
+             f"not {cfg.hidden_sizes}")
     return path, state
 
 
@@ -527,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(layout.nbytes(), shared=False)
     except ReplayTooLarge as err:
         fail(f"--buffer-size {cfg.buffer_size}: {err}")
-    resume_path, state = resolve_resume(cfg)
+    resume_path, state = find_resume(cfg)
     if resume_path is not None and cfg.output_dir is None:
         cfg.output_dir = str(resume_path.parent.parent)
     run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(SCRIPT, cfg.env_id, cfg.seed)
