@@ -668,6 +668,15 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
         if graceful.requested:
             reason = "interrupted"
             break
+        # A checkpoint that is due is written before the next update, so it holds weights no update has
+        # touched since the episodes it counts -- the last good state if that update diverges.
+        if gs["episodes"] - last_saved_episodes >= cfg.save_every_episodes or \
+                now - last_checkpoint >= cfg.checkpoint_interval_s:
+            gs["global_step"] = step_offset + int(shared["actor_steps"].sum())
+            gs["recent_returns"], gs["recent_coverage"] = list(recent_returns), list(recent_coverage)
+            gs["samples_trained"] = samples_at_start + samples_base
+            last_good = save_training_checkpoint(cfg, learner, replay, gs, run_dir, log)
+            last_checkpoint, last_saved_episodes = now, gs["episodes"]
         progress_frac = min(1.0, max(gs["episodes"] / cfg.n_episodes,
                                      gs["global_step"] / cfg.total_timesteps if cfg.total_timesteps else 0.0,
                                      (now - start) / (deadline - start) if cfg.duration else 0.0))
@@ -737,12 +746,6 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
         if stop:
             reason = stop
             break
-        if gs["episodes"] - last_saved_episodes >= cfg.save_every_episodes or \
-                now - last_checkpoint >= cfg.checkpoint_interval_s:
-            gs["recent_returns"], gs["recent_coverage"] = list(recent_returns), list(recent_coverage)
-            gs["samples_trained"] = samples_at_start + samples_base
-            last_good = save_training_checkpoint(cfg, learner, replay, gs, run_dir, log)
-            last_checkpoint, last_saved_episodes = now, gs["episodes"]
 
     if window["episodes"] or window["updates"]:  # the last partial interval, so the CSV ends where the run did
         write_row(cfg, metrics, progress, sampler, window, gs, replay, actors, shared, version, learner.updates,

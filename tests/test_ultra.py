@@ -232,7 +232,7 @@ def test_actors_exit_when_the_learner_is_killed(tmp_path):
 @pytest.mark.timeout(90)
 def test_nan_loss_exits_1_and_keeps_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_script(SCRIPT, *CARTPOLE, "--learning-rate", "1e30", "--learning-starts", "3000",
+    proc = run_script(SCRIPT, *CARTPOLE, "--learning-rate", "1e30", "--learning-starts", "20000",
                       "--save-every-episodes", "20", "--n-episodes", "100000", "--output-dir", run_dir, timeout=80)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "loss became nan" in proc.stderr or "loss became inf" in proc.stderr
