@@ -66,7 +66,7 @@ MODES = {
                              summary="population of independent PPO agents over a shared data cache"),
 }
 ULTRA_MIN_CORES = 8
-ULTRA_REPLAY_BYTES = 200_000 * 2 * (3 * 6 * 6 + 8) * 4  # default buffer of GridCoverage transitions, roughly
+ULTRA_REPLAY_BYTES = 200_000 * 2 * (2 * 11 * 11 + 8) * 4  # default buffer: GridCoverage egocentric obs + next_obs
 MIN_SHM_BYTES = 64 * 2**20
 
 

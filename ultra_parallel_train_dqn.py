@@ -71,6 +71,7 @@ class UltraTrainingConfig:
     env_id: str = "GridCoverage-v0"  # any Gymnasium id with a Discrete action space and a Box observation
     seed: int = 1  # environment i of the run is seeded seed + i
     grid_size: int | None = None  # GridCoverage-v0 only: side of the grid (None = the env's default, 6)
+    grid_view: str = "egocentric"  # GridCoverage-v0 only: egocentric (maps centred on the agent) or global
     n_episodes: int = 100_000  # stop after this many finished training episodes (all actors together)
     total_timesteps: int | None = None  # also stop after this many env steps (None = no step limit)
     duration: float | None = None  # hours of wall time for this invocation (None = no time limit)
@@ -126,6 +127,8 @@ class UltraTrainingConfig:
         require(self.grid_size is None or self.grid_size >= 2, "grid_size", self.grid_size, "must be >= 2")
         require(self.grid_size is None or self.env_id == "GridCoverage-v0", "grid_size", self.grid_size,
                 "applies to GridCoverage-v0 only")
+        require(self.grid_view in ("egocentric", "global"), "grid_view", self.grid_view,
+                "must be egocentric or global")
         require(self.learning_starts >= 0, "learning_starts", self.learning_starts, "must be >= 0")
         slots = self.buffer_size // self.n_workers * self.n_workers
         require(self.learning_starts <= slots, "learning_starts", self.learning_starts,
@@ -156,7 +159,9 @@ class UltraTrainingConfig:
                 "needs a CUDA device (use bf16 on CPU)")
 
     def env_kwargs(self) -> dict:
-        return {"size": self.grid_size} if self.grid_size is not None else {}
+        if self.env_id != "GridCoverage-v0":
+            return {}
+        return {"view": self.grid_view, **({"size": self.grid_size} if self.grid_size is not None else {})}
 
 
 # --------------------------------------------------------------------------- actors

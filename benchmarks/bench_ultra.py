@@ -96,19 +96,30 @@ def bench_solve(seeds: int, budget_s: float) -> None:
 
 
 def bench_coverage(minutes: float) -> None:
-    result = run(["--config", str(GRID), "--duration", str(minutes / 60)], timeout=minutes * 60 + 180)
-    s, rows = result["summary"], result["rows"]
-    reached = first_at_least(rows, "coverage_mean100", 0.95)
-    lines = ["| minutes | final mean coverage (last 100) | 95 % reached at (s) | env steps | episodes | updates | "
-             "load before | load after |", "|---|---|---|---|---|---|---|---|",
-             f"| {minutes:g} | {100 * (s['final_mean_coverage'] or 0):.1f} % | "
-             f"{float(reached['wall_time']):.0f}" if reached else f"| {minutes:g} | "
-             f"{100 * (s['final_mean_coverage'] or 0):.1f} % | not reached"]
-    lines[-1] += f" | {s['global_step']} | {s['episodes']} | {s['updates']} | {result['load_before']} | " \
-                 f"{result['load_after']} |"
-    lines += ["", "Target: mean coverage at least 95 % within 10 minutes on 2 cores, default grid size.",
-              f"Stop reason: {s['stop_reason']}."]
-    write("ultra_grid_coverage", "GridCoverage-v0 coverage within a time budget",
+    """Both observation views for the same time, without the early stop at the target coverage.
+
+    Running on past the target shows whether the coverage holds: the mean of the last 100 episodes
+    can touch 95 % early on by chance (the first episodes to finish are the short, complete ones).
+    """
+    lines = ["| view | 95 % first reached at (s) | lowest mean coverage after that | final mean coverage (last 100) | "
+             "env steps | episodes | updates | load before | load after |", "|---|---|---|---|---|---|---|---|---|"]
+    for view in ("egocentric", "global"):
+        result = run(["--config", str(GRID), "--grid-view", view, "--target-coverage", "none",
+                      "--duration", str(minutes / 60)], timeout=minutes * 60 + 180)
+        s, rows = result["summary"], result["rows"]
+        reached = first_at_least(rows, "coverage_mean100", 0.95)
+        if reached:
+            after = [float(r["coverage_mean100"]) for r in rows[rows.index(reached):] if r["coverage_mean100"]]
+            first, lowest = f"{float(reached['wall_time']):.0f}", f"{100 * min(after):.1f} %"
+        else:
+            first, lowest = "not reached", "-"
+        lines.append(f"| {view} | {first} | {lowest} | {100 * (s['final_mean_coverage'] or 0):.1f} % | "
+                     f"{s['global_step']} | {s['episodes']} | {s['updates']} | {result['load_before']} | "
+                     f"{result['load_after']} |")
+    lines += ["", f"Each view trained for {minutes:g} minutes with configs/ultra_grid_coverage.yaml (6 x 6 grid, "
+              "15 % obstacles). Target: mean coverage of the last 100 training episodes at least 95 % within "
+              "10 minutes on 2 cores."]
+    write("ultra_grid_coverage", "GridCoverage-v0 coverage within a time budget, egocentric vs global view",
           f"python benchmarks/bench_ultra.py coverage --minutes {minutes:g}", lines)
 
 

@@ -19,6 +19,30 @@ def test_registered_and_spaces():
     assert 0 < info["coverage"] <= 1
 
 
+def test_egocentric_view_is_the_global_maps_centred_on_the_agent():
+    size, centre = 5, 4
+    glob = GridCoverageEnv(size=size, obstacle_density=0.3)
+    ego = GridCoverageEnv(size=size, obstacle_density=0.3, view="egocentric")
+    assert ego.observation_space.shape == (2, 9, 9)
+    g, _ = glob.reset(seed=4)
+    e, _ = ego.reset(seed=4)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        row, col = np.argwhere(g[0] == 1)[0]
+        assert ego.observation_space.contains(e)
+        for r in range(-centre, centre + 1):
+            for c in range(-centre, centre + 1):
+                gr, gc = row + r, col + c
+                on_grid = 0 <= gr < size and 0 <= gc < size
+                assert e[0, centre + r, centre + c] == (g[1, gr, gc] if on_grid else 0.0)
+                assert e[1, centre + r, centre + c] == (g[2, gr, gc] if on_grid else 1.0)
+        action = int(rng.integers(0, 4))
+        g, *_ = glob.step(action)
+        e, *_ = ego.step(action)
+    with pytest.raises(ValueError, match="view"):
+        GridCoverageEnv(view="sideways")
+
+
 @pytest.mark.parametrize("density", [0.0, 0.3, 0.45])
 def test_every_layout_is_fully_reachable(density):
     rngs = [np.random.default_rng(seed) for seed in range(300)]
@@ -73,10 +97,11 @@ def test_obstacles_block_and_truncation():
     assert truncated and not terminated
 
 
-def test_vectorized_equals_single():
+@pytest.mark.parametrize("view", ["global", "egocentric"])
+def test_vectorized_equals_single(view):
     n, steps = 6, 300
-    vec = GridCoverageVectorEnv(num_envs=n, size=5, obstacle_density=0.2, max_steps=30)
-    singles = [GridCoverageEnv(size=5, obstacle_density=0.2, max_steps=30) for _ in range(n)]
+    vec = GridCoverageVectorEnv(num_envs=n, size=5, obstacle_density=0.2, max_steps=30, view=view)
+    singles = [GridCoverageEnv(size=5, obstacle_density=0.2, max_steps=30, view=view) for _ in range(n)]
     obs, _ = vec.reset(seed=10)
     single_obs = np.stack([env.reset(seed=10 + i)[0] for i, env in enumerate(singles)])
     np.testing.assert_array_equal(obs, single_obs)

@@ -127,6 +127,18 @@ def test_learns_cartpole_in_both_modes(tmp_path, mode, threshold):
     assert state["global_step"] == summary["global_step"]
 
 
+@pytest.mark.timeout(150)
+def test_learns_grid_coverage_from_the_egocentric_view(tmp_path):
+    # A random walk covers about 70 % of a 6 x 6 grid within the step limit; the sync run repeats for a seed.
+    proc = run_script(SCRIPT, "--config", ROOT / "configs" / "ultra_grid_coverage.yaml", "--no-async-training",
+                      "--seed", "1", "--total-timesteps", "80000", "--target-coverage", "0.9", "--no-tensorboard",
+                      "--log-interval-s", "5", "--output-dir", tmp_path / "run", timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = summary_of(tmp_path / "run")
+    assert summary["stop_reason"].startswith("target coverage"), summary
+    assert summary["final_mean_coverage"] >= 0.9
+
+
 @pytest.mark.timeout(90)
 def test_queue_fallback_prioritized_bf16_grid_coverage(tmp_path):
     proc = run_script(SCRIPT, "--env-id", "GridCoverage-v0", "--grid-size", "4", "--replay-backend", "queue",

@@ -7,7 +7,12 @@ little free space is redrawn). Reward: ``cell_reward`` for each newly visited ce
 minus ``step_cost`` every step, plus ``coverage_bonus`` on full coverage. The episode
 terminates at full coverage and is truncated after ``max_steps``.
 
-Observation: float32 array ``(3, size, size)``: agent one-hot, visited map, obstacle map.
+Observation (``view="global"``, the default): float32 array ``(3, size, size)``: agent
+one-hot, visited map, obstacle map. ``view="egocentric"`` shows the same maps centred on
+the agent instead: ``(2, 2*size - 1, 2*size - 1)``, visited cells and blocked cells
+(obstacles and everything off the grid), with the agent always in the middle. The rule
+"head for the nearest unvisited cell" then looks the same wherever the agent stands, which
+a value network learns far faster than from absolute coordinates.
 ``info["coverage"]`` is the visited fraction of the free cells.
 
 :class:`GridCoverageVectorEnv` steps thousands of copies in a handful of numpy calls and
@@ -25,6 +30,14 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 # up, down, left, right as (row, column) moves
 MOVES = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], dtype=np.int64)
 MIN_FREE_FRACTION = 0.5  # a layout whose reachable region is smaller than this is redrawn
+VIEWS = ("global", "egocentric")
+
+
+def observation_space(size: int, view: str) -> gym.spaces.Box:
+    if view not in VIEWS:
+        raise ValueError(f"GridCoverage view must be one of {VIEWS}, got {view!r}")
+    shape = (3, size, size) if view == "global" else (2, 2 * size - 1, 2 * size - 1)
+    return gym.spaces.Box(0.0, 1.0, shape, np.float32)
 
 
 def _check_sizes(size: int, obstacle_density: float, max_steps: int | None) -> int:
@@ -99,13 +112,28 @@ class GridState:
         self.visited_count[idx] = 1
         self.steps[idx] = 0
 
-    def observe(self, idx: np.ndarray | slice = slice(None)) -> np.ndarray:
-        visited, obstacles, pos = self.visited[idx], self.obstacles[idx], self.pos[idx]
+    def observe(self, view: str = "global") -> np.ndarray:
+        if view == "egocentric":
+            return self._observe_egocentric()
+        visited, obstacles, pos = self.visited, self.obstacles, self.pos
         obs = np.zeros((len(pos), 3, self.size, self.size), dtype=np.float32)
         obs[np.arange(len(pos)), 0, pos[:, 0], pos[:, 1]] = 1.0
         obs[:, 1] = visited
         obs[:, 2] = obstacles
         return obs
+
+    def _observe_egocentric(self) -> np.ndarray:
+        n, batch = self.size, len(self.pos)
+        # Pad by n - 1 on every side (off-grid counts as blocked), then cut the (2n - 1)-wide window whose
+        # centre is the agent: window cell (i, j) is grid cell (row + i - (n - 1), col + j - (n - 1)).
+        padded = np.zeros((batch, 2, 3 * n - 2, 3 * n - 2), dtype=np.float32)
+        padded[:, 1] = 1.0
+        padded[:, 0, n - 1:2 * n - 1, n - 1:2 * n - 1] = self.visited
+        padded[:, 1, n - 1:2 * n - 1, n - 1:2 * n - 1] = self.obstacles
+        offsets = np.arange(2 * n - 1)
+        rows = (self.pos[:, 0, None] + offsets)[:, None, :, None]
+        cols = (self.pos[:, 1, None] + offsets)[:, None, None, :]
+        return padded[np.arange(batch)[:, None, None, None], np.arange(2)[None, :, None, None], rows, cols]
 
     def coverage(self) -> np.ndarray:
         return self.visited_count / self.free_count
@@ -126,8 +154,10 @@ class GridState:
 class _Rules:
     """Reward and episode-end settings shared by the single and the vectorized env."""
 
-    def _init_rules(self, size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus):
+    def _init_rules(self, size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus, view):
         self.size = int(size)
+        self.view = view
+        self.single_space = observation_space(self.size, view)
         self.obstacle_density = float(obstacle_density)
         self.max_steps = _check_sizes(self.size, self.obstacle_density, max_steps)
         self.cell_reward, self.step_cost, self.coverage_bonus = float(cell_reward), float(step_cost), \
@@ -147,9 +177,9 @@ class GridCoverageEnv(_Rules, gym.Env):
 
     def __init__(self, size: int = 6, obstacle_density: float = 0.15, max_steps: int | None = None,
                  cell_reward: float = 1.0, step_cost: float = 0.05, coverage_bonus: float = 5.0,
-                 render_mode: str | None = None):
-        self._init_rules(size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus)
-        self.observation_space = gym.spaces.Box(0.0, 1.0, (3, self.size, self.size), np.float32)
+                 view: str = "global", render_mode: str | None = None):
+        self._init_rules(size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus, view)
+        self.observation_space = self.single_space
         self.action_space = gym.spaces.Discrete(4)
         self.render_mode = render_mode
         self._state = GridState(1, self.size)
@@ -157,13 +187,13 @@ class GridCoverageEnv(_Rules, gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         self._state.reset(np.array([0]), [self.np_random], self.obstacle_density)
-        return self._state.observe()[0], {"coverage": float(self._state.coverage()[0])}
+        return self._state.observe(self.view)[0], {"coverage": float(self._state.coverage()[0])}
 
     def step(self, action):
         new_cell = self._state.step(np.array([int(action)]))
         rewards, full, truncated = self._outcome(self._state, new_cell)
         info = {"coverage": float(self._state.coverage()[0])}
-        return self._state.observe()[0], float(rewards[0]), bool(full[0]), bool(truncated[0]), info
+        return self._state.observe(self.view)[0], float(rewards[0]), bool(full[0]), bool(truncated[0]), info
 
     def render(self):
         s = self._state
@@ -184,10 +214,10 @@ class GridCoverageVectorEnv(_Rules, VectorEnv):
 
     def __init__(self, num_envs: int = 1, size: int = 6, obstacle_density: float = 0.15,
                  max_steps: int | None = None, cell_reward: float = 1.0, step_cost: float = 0.05,
-                 coverage_bonus: float = 5.0, **_ignored):
-        self._init_rules(size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus)
+                 coverage_bonus: float = 5.0, view: str = "global", **_ignored):
+        self._init_rules(size, obstacle_density, max_steps, cell_reward, step_cost, coverage_bonus, view)
         self.num_envs = int(num_envs)
-        self.single_observation_space = gym.spaces.Box(0.0, 1.0, (3, self.size, self.size), np.float32)
+        self.single_observation_space = self.single_space
         self.single_action_space = gym.spaces.Discrete(4)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
@@ -201,7 +231,7 @@ class GridCoverageVectorEnv(_Rules, VectorEnv):
             seeds = list(seed) if seed is not None else [None] * self.num_envs
         self._rngs = [seeding.np_random(s)[0] for s in seeds]
         self._state.reset(np.arange(self.num_envs), self._rngs, self.obstacle_density)
-        return self._state.observe(), {"coverage": self._state.coverage()}
+        return self._state.observe(self.view), {"coverage": self._state.coverage()}
 
     def step(self, actions):
         if not self._rngs:
@@ -213,10 +243,10 @@ class GridCoverageVectorEnv(_Rules, VectorEnv):
         info = {"coverage": coverage}
         done = terminated | truncated
         if done.any():
-            info["final_obs"] = state.observe()
+            info["final_obs"] = state.observe(self.view)
             info["_final_obs"] = done
             info["final_info"] = {"coverage": coverage.copy(), "_coverage": done}
             idx = np.flatnonzero(done)
             state.reset(idx, [self._rngs[i] for i in idx], self.obstacle_density)
             info["coverage"] = state.coverage()
-        return state.observe(), rewards, terminated, truncated, info
+        return state.observe(self.view), rewards, terminated, truncated, info
