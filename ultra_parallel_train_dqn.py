@@ -667,6 +667,17 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
                 recent_coverage.append(episode["coverage"])
         replay.sync()
 
+    def learn_once(beta: float) -> float:
+        """One optimizer step, counted in the metrics window; returns its loss."""
+        nonlocal samples_base
+        stats = learner.update(replay, beta)
+        samples_base += effective_batch
+        window["losses"].append(stats["loss"])
+        window["updates"] += 1
+        window["samples"] += effective_batch
+        window["rejected"] += stats["rejected"]
+        return stats["loss"]
+
     while True:
         now = time.monotonic()
         poll(now)
@@ -688,14 +699,9 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
         beta = cfg.per_beta + (1.0 - cfg.per_beta) * progress_frac
         if cfg.async_training:
             if may_learn():
-                stats = learner.update(replay, beta)
-                samples_base += effective_batch
-                window["losses"].append(stats["loss"])
-                window["updates"] += 1
-                window["samples"] += effective_batch
-                window["rejected"] += stats["rejected"]
-                if not math.isfinite(stats["loss"]):
-                    reason, exit_code = f"loss became {stats['loss']} at update {learner.updates}", EXIT_FAILED
+                loss = learn_once(beta)
+                if not math.isfinite(loss):
+                    reason, exit_code = f"loss became {loss} at update {learner.updates}", EXIT_FAILED
                     break
                 version = publish_weights(learner.q_net, shared)
                 allow_inserts()
@@ -709,17 +715,11 @@ def train(cfg: UltraTrainingConfig, learner: Learner, replay: ReplayBuffer, acto
                 poll(time.monotonic())
             replay.sync()
             # ... then the learn phase catches up with the replay ratio while they wait.
-            while may_learn() and not graceful.requested:
-                stats = learner.update(replay, beta)
-                samples_base += effective_batch
-                window["losses"].append(stats["loss"])
-                window["updates"] += 1
-                window["samples"] += effective_batch
-                window["rejected"] += stats["rejected"]
-                if not math.isfinite(stats["loss"]):
-                    break
-            if window["losses"] and not math.isfinite(window["losses"][-1]):
-                reason, exit_code = f"loss became {window['losses'][-1]} at update {learner.updates}", EXIT_FAILED
+            loss = 0.0
+            while may_learn() and not graceful.requested and math.isfinite(loss):
+                loss = learn_once(beta)
+            if not math.isfinite(loss):
+                reason, exit_code = f"loss became {loss} at update {learner.updates}", EXIT_FAILED
                 break
             version = publish_weights(learner.q_net, shared)
 
