@@ -92,7 +92,7 @@ def bench_solve(seeds: int, budget_s: float) -> None:
               f"within {budget_s:g} s). The training clock starts once every actor process is up; process wall adds "
               "interpreter, torch import and actor start-up."]
     write("ultra_cartpole_solve", "CartPole-v1 solved (mean of last 100 training episodes >= 475), async mode",
-          f"python benchmarks/bench_ultra.py solve --seeds {seeds}", lines)
+          f"python benchmarks/bench_ultra.py solve --seeds {seeds} --solve-budget-s {budget_s:g}", lines)
 
 
 def bench_coverage(minutes: float) -> None:
@@ -123,9 +123,16 @@ def bench_coverage(minutes: float) -> None:
           f"python benchmarks/bench_ultra.py coverage --minutes {minutes:g}", lines)
 
 
-def bench_throughput(seconds: float) -> None:
+def bench_throughput(seconds: float, replay_ratio: float | None) -> None:
+    """Both modes at the same learner settings; ``replay_ratio`` overrides the config's.
+
+    How much async can gain depends on the balance of the work: with a high replay ratio the
+    learner's share dominates and overlapping it with collection saves little.
+    """
     learner = ["--config", str(CARTPOLE), "--target-return", "none", "--n-episodes", "100000000",
                "--duration", str(seconds / 3600), "--eps-end", "0.02"]
+    if replay_ratio is not None:
+        learner += ["--replay-ratio", str(replay_ratio)]
     lines = ["| actors | mode | env steps/s | learner updates/s | learner samples/s | policy lag | load before | "
              "load after |", "|---|---|---|---|---|---|---|---|"]
     results = {}
@@ -152,8 +159,12 @@ def bench_throughput(seconds: float) -> None:
               "(Ape-X); the default async mode holds actors to the replay ratio as the sync mode does. On a "
               "machine loaded above its core count, a run with more busy processes also gets a larger share of "
               "the contended cores, which flatters async; compare at low load."]
-    write("ultra_throughput", f"Actor and learner throughput, CartPole-v1, {seconds:g} s per run",
-          f"python benchmarks/bench_ultra.py throughput --seconds {seconds:g}", lines)
+    name, title = "ultra_throughput", f"Actor and learner throughput, CartPole-v1, {seconds:g} s per run"
+    command = f"python benchmarks/bench_ultra.py throughput --seconds {seconds:g}"
+    if replay_ratio is not None:
+        name, title = f"{name}_ratio{replay_ratio:g}", f"{title}, replay ratio {replay_ratio:g}"
+        command += f" --replay-ratio {replay_ratio:g}"
+    write(name, title, command, lines)
 
 
 def main() -> None:
@@ -163,11 +174,13 @@ def main() -> None:
     parser.add_argument("--solve-budget-s", type=float, default=120.0, help="give up on a seed after this long")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each throughput run")
+    parser.add_argument("--replay-ratio", type=float, default=None,
+                        help="throughput: learner replay ratio for both modes (default: the config's)")
     args = parser.parse_args()
     if args.what in ("solve", "all"):
         bench_solve(args.seeds, args.solve_budget_s)
     if args.what in ("throughput", "all"):
-        bench_throughput(args.seconds)
+        bench_throughput(args.seconds, args.replay_ratio)
     if args.what in ("coverage", "all"):
         bench_coverage(args.minutes)
 
