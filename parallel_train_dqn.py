@@ -185,14 +185,11 @@ def probe_spaces(cfg: Config) -> tuple[gym.Space, gym.Space, bool, bool]:
 def find_resume(cfg: Config) -> tuple[Path | None, dict | None]:
     """Load the checkpoint to resume from before anything is written (a bad file exits 2)."""
     try:
-        path, state = resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
-                                     required=("model", "target", "optimizer", "counters", "config"))
+        return resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
+                              required=("model", "target", "optimizer", "counters", "config"),
+                              hidden_sizes=cfg.hidden_sizes)
     except CheckpointError as err:
         fail(f"--resume {cfg.resume}: {err}")
-    if state is not None and list(state["config"].get("hidden_sizes", [])) != list(cfg.hidden_sizes):
-        fail(f"--resume {path}: checkpoint has hidden sizes {state['config'].get('hidden_sizes')}, "
-             f"not {cfg.hidden_sizes}")
-    return path, state
 
 
 class OpponentPool:

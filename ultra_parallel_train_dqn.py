@@ -46,6 +46,7 @@ from common.checkpoint import (
 from common.config import fail, parse_config, require, require_env_id, require_positive, save_config, to_dict
 from common.dqn import double_dqn_loss, linear_schedule, soft_update
 from common.envs import make_vec_env
+from common.envs.grid_coverage import VIEWS as GRID_VIEWS
 from common.networks import QNetwork, flat_size, read_flat_params, write_flat_params
 from common.parallel import GracefulExit, ParentWatch, TooManyRestarts, WorkerPool, describe_exit, init_worker_process
 from common.replay_shm import (
@@ -127,8 +128,7 @@ class UltraTrainingConfig:
         require(self.grid_size is None or self.grid_size >= 2, "grid_size", self.grid_size, "must be >= 2")
         require(self.grid_size is None or self.env_id == "GridCoverage-v0", "grid_size", self.grid_size,
                 "applies to GridCoverage-v0 only")
-        require(self.grid_view in ("egocentric", "global"), "grid_view", self.grid_view,
-                "must be egocentric or global")
+        require(self.grid_view in GRID_VIEWS, "grid_view", self.grid_view, f"must be one of {GRID_VIEWS}")
         require(self.learning_starts >= 0, "learning_starts", self.learning_starts, "must be >= 0")
         slots = self.buffer_size // self.n_workers * self.n_workers
         require(self.learning_starts <= slots, "learning_starts", self.learning_starts,
@@ -500,15 +500,11 @@ def probe_spaces(cfg: UltraTrainingConfig):
 def find_resume(cfg: UltraTrainingConfig) -> tuple[Path | None, dict | None]:
     """Load the checkpoint to resume from before anything is written (a bad file exits 2)."""
     try:
-        path, state = resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
-                                     required=("model", "target", "optimizer", "global_step", "config"),
-                                     pattern=CHECKPOINT_PATTERN)
+        return resolve_resume(cfg.resume, cfg.output_dir, SCRIPT, cfg.env_id, cfg.seed,
+                              required=("model", "target", "optimizer", "global_step", "config"),
+                              pattern=CHECKPOINT_PATTERN, hidden_sizes=cfg.hidden_sizes)
     except CheckpointError as err:
         fail(f"--resume {cfg.resume}: {err}")
-    if state is not None and list(state["config"].get("hidden_sizes", [])) != list(cfg.hidden_sizes):
-        fail(f"--resume {path}: checkpoint has hidden sizes {state['config'].get('hidden_sizes')}, "
-             f"not {cfg.hidden_sizes}")
-    return path, state
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,13 +95,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_id: str, seed: int,
-                   required: tuple[str, ...], pattern: str = r".*\.pt") -> tuple[Path | None, dict | None]:
+                   required: tuple[str, ...], pattern: str = r".*\.pt",
+                   hidden_sizes: list[int] | None = None) -> tuple[Path | None, dict | None]:
     """The checkpoint a ``--resume`` value points at, loaded; ``(None, None)`` when there is nothing to resume.
 
     ``auto`` means the newest checkpoint in ``output_dir`` or, without one, in the newest
     ``runs/<script>/<env>__<seed>__*`` directory that has one; finding none starts a fresh run
     (the first run of a cron job). Raises CheckpointError for a file that is not a usable
-    checkpoint or was made for another env; scripts turn that into one line and exit 2.
+    checkpoint or was made for another env (or, given ``hidden_sizes``, another network width);
+    scripts turn that into one line and exit 2.
     """
     if resume is None:
         return None, None
@@ -120,4 +122,7 @@ def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_
     saved_env = state["config"].get("env_id") if isinstance(state.get("config"), dict) else None
     if saved_env is not None and saved_env != env_id:
         raise CheckpointError(f"{path}: checkpoint is for env {saved_env!r}, not {env_id!r}")
+    saved_sizes = state["config"].get("hidden_sizes") if isinstance(state.get("config"), dict) else None
+    if hidden_sizes is not None and list(saved_sizes or []) != list(hidden_sizes):
+        raise CheckpointError(f"{path}: checkpoint has hidden sizes {saved_sizes}, not {list(hidden_sizes)}")
     return path, state

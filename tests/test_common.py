@@ -14,6 +14,7 @@ from common.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    resolve_resume,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -207,6 +208,20 @@ def test_loading_a_non_checkpoint_raises_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
     assert latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_resume_refuses_a_checkpoint_of_another_env_or_network_width(tmp_path):
+    path = save_checkpoint({"model": {}, "config": {"env_id": "CartPole-v1", "hidden_sizes": [64, 64]}},
+                           tmp_path / "checkpoints" / "latest.pt")
+    found, state = resolve_resume("auto", str(tmp_path), "script", "CartPole-v1", 1, required=("model",),
+                                  hidden_sizes=[64, 64])
+    assert found == path and state["config"]["hidden_sizes"] == [64, 64]
+    with pytest.raises(CheckpointError, match="hidden sizes"):
+        resolve_resume(str(path), None, "script", "CartPole-v1", 1, required=("model",), hidden_sizes=[128, 128])
+    with pytest.raises(CheckpointError, match="for env 'CartPole-v1'"):
+        resolve_resume(str(path), None, "script", "Acrobot-v1", 1, required=("model",))
+    assert resolve_resume("auto", str(tmp_path / "empty"), "script", "CartPole-v1", 1, required=("model",)) == \
+        (None, None)
 
 
 # ------------------------------------------------------------------ shared memory
