@@ -19,8 +19,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 EXIT_BAD_CONFIG = 2
 
 
@@ -121,6 +119,11 @@ def _coerce(field: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def _aliases(cls: type) -> dict[str, str]:
+    """``ALIASES = {"old_name": "field"}`` on a config class: other names users were promised."""
+    return dict(getattr(cls, "ALIASES", {}))
+
+
 def _groups(spec: type | dict[str, type]) -> dict[str, type]:
     return spec if isinstance(spec, dict) else {"": spec}
 
@@ -128,6 +131,9 @@ def _groups(spec: type | dict[str, type]) -> dict[str, type]:
 def _build_parser(groups: dict[str, type], description: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file whose keys override the defaults below")
+    parser.add_argument("--validate-only", action="store_true",
+                        help="check the config, the env and the resources, print the resolved config and exit "
+                             "(0 if it would run, 2 if not); nothing is written")
     for group_name, cls in groups.items():
         comments = _field_comments(cls)
         group = parser.add_argument_group(group_name or "settings")
@@ -143,7 +149,40 @@ def _build_parser(groups: dict[str, type], description: str | None) -> argparse.
             else:
                 kwargs["metavar"] = getattr(tp, "__name__", "VALUE").upper()
             group.add_argument(flag_name(field.name), **kwargs)
+        for alias, target in _aliases(cls).items():
+            group.add_argument(flag_name(alias), dest=target, default=argparse.SUPPRESS,
+                               metavar="VALUE", help=f"same as {flag_name(target)}")
     return parser
+
+
+def parse_args(spec: type | dict[str, type], argv: list[str] | None = None,
+               description: str | None = None) -> tuple[Any, argparse.Namespace]:
+    """Like :func:`parse_config`, and also returns the command-line actions (``validate_only``)."""
+    groups = _groups(spec)
+    owner = {f.name: name for name, cls in groups.items() for f in dataclasses.fields(cls)}
+    parser = _build_parser(groups, description)
+    parser.error = lambda message: fail(message)  # one line, exit 2, no usage dump
+    args = vars(parser.parse_args(argv))
+    actions = argparse.Namespace(validate_only=args.pop("validate_only", False))
+    config_file = args.pop("config", None)
+    try:
+        values: dict[str, Any] = {}
+        hints = {name: hint for cls in groups.values() for name, hint in typing.get_type_hints(cls).items()}
+        # YAML values are checked even where a flag overrides them: a wrong file is wrong either way.
+        sources = [_read_yaml(config_file, groups, owner)] if config_file else []
+        for source in [*sources, args]:
+            values.update({k: _coerce(k, hints[k], v) for k, v in source.items()})
+        configs = {}
+        for name, cls in groups.items():
+            configs[name] = cls(**{k: v for k, v in values.items() if owner[k] == name})
+            if hasattr(configs[name], "validate"):
+                configs[name].validate()
+        if len(configs) > 1:
+            for hook in {type(c).__dict__.get("validate_together") for c in configs.values()} - {None}:
+                hook(configs)
+    except ConfigError as err:
+        fail(str(err))
+    return (configs[""] if "" in configs else configs), actions
 
 
 def parse_config(spec: type | dict[str, type], argv: list[str] | None = None,
@@ -155,33 +194,12 @@ def parse_config(spec: type | dict[str, type], argv: list[str] | None = None,
     A YAML file may be flat or nested by group name. Each instance's ``validate()``
     method, if present, is called; any ConfigError exits 2 with one line.
     """
-    groups = _groups(spec)
-    owner = {f.name: name for name, cls in groups.items() for f in dataclasses.fields(cls)}
-    parser = _build_parser(groups, description)
-    parser.error = lambda message: fail(message)  # one line, exit 2, no usage dump
-    args = vars(parser.parse_args(argv))
-    overrides: dict[str, Any] = {}
-    config_file = args.pop("config", None)
-    try:
-        if config_file:
-            overrides.update(_read_yaml(config_file, groups, owner))
-        overrides.update(args)
-        configs = {}
-        for name, cls in groups.items():
-            hints = typing.get_type_hints(cls)
-            values = {k: _coerce(k, hints[k], v) for k, v in overrides.items() if owner[k] == name}
-            configs[name] = cls(**values)
-            if hasattr(configs[name], "validate"):
-                configs[name].validate()
-        if len(configs) > 1:
-            for hook in {type(c).__dict__.get("validate_together") for c in configs.values()} - {None}:
-                hook(configs)
-    except ConfigError as err:
-        fail(str(err))
-    return configs[""] if "" in configs else configs
+    return parse_args(spec, argv, description)[0]
 
 
 def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dict[str, Any]:
+    import yaml
+
     file = Path(path)
     if not file.is_file():
         raise ConfigError("config", path, "no such file")
@@ -191,14 +209,16 @@ def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dic
         raise ConfigError("config", path, f"not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError("config", path, "must hold a mapping of field: value")
+    aliases = {alias: target for cls in groups.values() for alias, target in _aliases(cls).items()}
     flat: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key).replace("-", "_")
         if key in groups and key and isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                flat[str(sub_key).replace("-", "_")] = sub_value
+                sub_key = str(sub_key).replace("-", "_")
+                flat[aliases.get(sub_key, sub_key)] = sub_value
         else:
-            flat[key] = value
+            flat[aliases.get(key, key)] = value
     for key in flat:
         if key not in owner:
             raise ConfigError("config", path, f"unknown key {key!r}; known keys: {', '.join(sorted(owner))}")
@@ -212,8 +232,14 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def config_yaml(config: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
 def save_config(config: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    Path(path).write_text(config_yaml(config))
 
 
 # Small validators shared by every script, so the messages read the same everywhere.

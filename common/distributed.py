@@ -18,7 +18,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
+from common.lazy import lazy_import
+
+torch = lazy_import("torch")
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PRL_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -159,17 +161,14 @@ def from_environment(device: str = "cpu") -> SingleProcess | TorchDistributed:
     return SingleProcess()
 
 
-def rank_logger(script: str, dist, run_dir: Path) -> logging.Logger:
-    """Rank 0 logs to the run directory (set up by open_run_dir); other ranks to stderr, tagged."""
-    logger = logging.getLogger(f"prl.{script}")
-    if not dist.is_main:
-        root = logging.getLogger("prl")
-        root.setLevel(logging.INFO)
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist.rank}] %(message)s", "%H:%M:%S"))
-        root.handlers[:] = [handler]
-        root.propagate = False
-    return logger
+def log_to_stderr(rank: int) -> None:
+    """A rank other than 0 writes no file: its log lines go to stderr, tagged with its rank."""
+    root = logging.getLogger("prl")
+    root.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S"))
+    root.handlers[:] = [handler]
+    root.propagate = False
 
 
 def params_digest(model: torch.nn.Module) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -137,3 +138,54 @@ def read_flat_params(model: nn.Module, flat: np.ndarray) -> None:
         count = param.numel()
         param.copy_(source[offset:offset + count].view_as(param))
         offset += count
+
+
+class SharedParams:
+    """The parameters of a network in shared memory, under a version seqlock: one writer, many readers.
+
+    ``arrays["params"]`` is ``[slots, n]`` float32 (slot 0 the learner's current weights; more
+    slots hold, e.g., past snapshots for self-play) and ``arrays["versions"]`` is ``[slots, 2]``:
+    writes begun and writes finished. The writer bumps "begun", copies, then sets "finished" to
+    it; a reader copies the row and keeps it only if "begun" still equals the "finished" it read
+    before, so it never loads a half-written set of weights. A version of 0 means "never written".
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.params, self.versions = arrays["params"], arrays["versions"]
+        self._scratch = np.empty(self.params.shape[1], dtype=np.float32)
+
+    @staticmethod
+    def allocate(shared_arrays, num_params: int, slots: int = 1) -> SharedParams:
+        """Create the segments in ``shared_arrays`` (a common.shm.SharedArrays of the coordinator)."""
+        shared_arrays.create("params", (slots, num_params), np.float32)
+        shared_arrays.create("versions", (slots, 2), np.int64)
+        return SharedParams({"params": shared_arrays["params"], "versions": shared_arrays["versions"]})
+
+    def version(self, slot: int = 0) -> int:
+        return int(self.versions[slot, 1])
+
+    def publish(self, model: nn.Module, slot: int = 0) -> int:
+        """Write ``model``'s parameters into ``slot``; returns the new version."""
+        self.versions[slot, 0] += 1
+        write_flat_params(model, self.params[slot])
+        self.versions[slot, 1] = self.versions[slot, 0]
+        return int(self.versions[slot, 1])
+
+    def fetch(self, model: nn.Module, slot: int = 0) -> int | None:
+        """Load ``slot`` into ``model`` if it was not being written meanwhile; its version, or None."""
+        finished = int(self.versions[slot, 1])
+        if finished == 0:
+            return None
+        np.copyto(self._scratch, self.params[slot])
+        if int(self.versions[slot, 0]) != finished:
+            return None  # the learner was writing: try again at the next poll
+        read_flat_params(model, self._scratch)
+        return finished
+
+    def wait_fetch(self, model: nn.Module, slot: int = 0, alive=lambda: True) -> int:
+        """Fetch, retrying until a consistent copy is read (the writer holds a slot for microseconds)."""
+        while (version := self.fetch(model, slot)) is None:
+            if not alive():
+                raise ConnectionError("the learner is gone")
+            time.sleep(0.0005)
+        return version

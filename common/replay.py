@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.system import format_bytes, memory
-
-RAM_HEADROOM = 0.8  # never plan to use more than this share of the RAM available now
+from common.system import ram_shortfall
 
 
 class ReplayMemoryError(MemoryError):
@@ -48,11 +46,9 @@ def replay_bytes(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actio
 def check_replay_memory(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actions: int | None) -> int:
     """Raise ReplayMemoryError if the buffer would not fit in the RAM available now; returns its size."""
     needed = replay_bytes(capacity, obs_shape, obs_dtype, num_actions)
-    available = memory()["available"]
-    if needed > RAM_HEADROOM * available:
-        raise ReplayMemoryError(f"a replay buffer of {capacity} transitions needs {format_bytes(needed)}, "
-                                f"but only {format_bytes(available)} of RAM is available "
-                                f"(at most {RAM_HEADROOM:.0%} of it may be used)")
+    shortfall = ram_shortfall(needed, f"a replay buffer of {capacity} transitions")
+    if shortfall:
+        raise ReplayMemoryError(shortfall)
     return needed
 
 

@@ -36,10 +36,9 @@ from typing import Any
 import numpy as np
 
 from common.shm import ArraySpec, SharedArray, attach_all
-from common.system import format_bytes, memory, shm_space
+from common.system import ram_shortfall, shm_shortfall
 
 log = logging.getLogger("prl.replay")
-RAM_HEADROOM = 0.8  # never plan to use more than this share of the available RAM
 MAX_RESAMPLE_ROUNDS = 8  # rounds of redrawing samples that were being overwritten
 _buffer_numbers = itertools.count()
 
@@ -97,15 +96,12 @@ def check_fits(nbytes: int, shared: bool) -> None:
 
     Raises ReplayTooLarge (RAM) or SharedMemoryUnavailable (``/dev/shm`` only).
     """
-    available = memory()["available"]
-    if nbytes > RAM_HEADROOM * available:
-        raise ReplayTooLarge(f"replay buffer needs {format_bytes(nbytes)} but only {format_bytes(available)} "
-                             f"of RAM is available (limit {RAM_HEADROOM:.0%}); lower --buffer-size")
-    if shared:
-        free = shm_space()["free"]
-        if nbytes > free:
-            raise SharedMemoryUnavailable(f"replay buffer needs {format_bytes(nbytes)} but /dev/shm has "
-                                          f"{format_bytes(free)} free")
+    shortfall = ram_shortfall(nbytes, "the replay buffer")
+    if shortfall:
+        raise ReplayTooLarge(f"{shortfall}; lower --buffer-size")
+    shortfall = shm_shortfall(nbytes, "the replay buffer") if shared else None
+    if shortfall:
+        raise SharedMemoryUnavailable(shortfall)
 
 
 # ------------------------------------------------------------------ writing

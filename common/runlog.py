@@ -37,16 +37,18 @@ class RunLock:
         self.path = run_dir / ".lock"
         self._fd: int | None = None
 
-    def acquire(self) -> bool:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def acquire(self, create: bool = True) -> bool:
+        """Take the lock; False if another process holds it. ``create=False`` only tests an existing file."""
+        self._fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
             return False
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
+        if create:
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
         return True
 
     def release(self) -> None:
@@ -91,8 +93,11 @@ def setup_logging(path: Path, logger_name: str = "prl", console: bool = False,
 class MetricsWriter:
     """Appends rows to ``metrics.csv`` and mirrors every numeric value to TensorBoard.
 
-    On resume the CSV is reopened in append mode and TensorBoard continues at the saved
-    ``global_step``, so curves continue instead of restarting.
+    TensorBoard tags are CleanRL's (``charts/episodic_return`` and ``charts/episodic_length``
+    once per finished episode, ``charts/SPS``, ``losses/value_loss`` ...), so dashboards made
+    for CleanRL or Stable-Baselines3 runs read these too; this project's own columns go under
+    ``prl/``. On resume the CSV is reopened in append mode and TensorBoard continues at the
+    saved ``global_step``, so curves continue instead of restarting.
     """
 
     def __init__(self, run_dir: Path, extra_columns: list[str], tensorboard: bool = True,
@@ -123,9 +128,15 @@ class MetricsWriter:
         if self._tb is not None:
             step = int(row.get("global_step", 0))
             for key, value in row.items():
-                if key != "global_step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    self._tb.add_scalar(_tb_tag(key), value, step)
+                tag = TB_TAGS.get(key, f"prl/{key}")
+                if tag and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tb.add_scalar(tag, value, step)
+
+    def episode(self, global_step: int, episodic_return: float, episodic_length: int) -> None:
+        """One finished episode, in TensorBoard (metrics.csv has their mean per row)."""
+        if self._tb is not None:
+            self._tb.add_scalar("charts/episodic_return", episodic_return, global_step)
+            self._tb.add_scalar("charts/episodic_length", episodic_length, global_step)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -141,12 +152,15 @@ def _csv_value(value: Any) -> Any:
     return value
 
 
-def _tb_tag(key: str) -> str:
-    if key.startswith(("episodic_", "episodes")):
-        return f"charts/{key}"
-    if key in ("sps", "wall_time", "cpu_percent", "rss_mb", "pss_mb", "collect_sps"):
-        return f"perf/{key}"
-    return f"train/{key}"
+# metrics.csv column -> TensorBoard tag, as CleanRL names them; None: not mirrored (per-episode
+# values are written by MetricsWriter.episode, and the step is the x axis already).
+TB_TAGS: dict[str, str | None] = {
+    "global_step": None, "episodic_return": None, "episodic_length": None, "sps": "charts/SPS",
+    "learning_rate": "charts/learning_rate", "epsilon": "charts/epsilon", "return_mean100": "charts/return_mean100",
+    "value_loss": "losses/value_loss", "policy_loss": "losses/policy_loss", "entropy": "losses/entropy",
+    "approx_kl": "losses/approx_kl", "old_approx_kl": "losses/old_approx_kl", "clipfrac": "losses/clipfrac",
+    "explained_variance": "losses/explained_variance", "loss": "losses/td_loss", "q_mean": "losses/q_values",
+}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, str]]:

@@ -30,10 +30,10 @@ def run_script(script: str, *args: str, timeout: float = 120, cwd: Path | None =
                           env=script_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def start_script(script: str, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+def start_script(script: str, *args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
     """Start a script in its own process group (as a terminal would), output to pipes."""
     return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd or ROOT,
-                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**script_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 

@@ -65,7 +65,7 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
     assert float(rows[-1]["cpu_percent"]) >= 0 and float(rows[-1]["pss_mb"]) > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] >= 2000 and summary["sps"] > 0 and summary["peak_rss_mb"] > 0
-    assert summary["stop_reason"] == "step budget reached"
+    assert summary["stop_reason"] == "total_timesteps 2000 reached"
     assert "exit status 0" in (run_dir / "logs" / "main.log").read_text()
 
 
@@ -138,7 +138,7 @@ def test_signal_saves_checkpoint_and_summary_and_cleans_up(tmp_path, signum, sta
     assert segments_of(proc.pid) == []
     state = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stop_reason"] == "interrupted" and state["global_step"] == summary["global_step"] > 0
+    assert summary["stop_reason"] == "interrupted" and state["counters"]["global_step"] == summary["global_step"] > 0
 
 
 def test_killed_worker_is_reported_restarted_and_the_run_goes_on(tmp_path):
@@ -212,10 +212,10 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     assert second.returncode == 0, second.stderr
     rows = metrics_rows(run_dir)
     steps = [int(r["global_step"]) for r in rows]
-    assert steps == sorted(steps) and steps[len(rows_before)] == saved["global_step"] + 128
+    assert steps == sorted(steps) and steps[len(rows_before)] == saved["counters"]["global_step"] + 128
     walls = [float(r["wall_time"]) for r in rows]
     assert walls == sorted(walls), "wall time restarted instead of continuing"
-    assert f"resumed from {run_dir / 'checkpoints' / 'latest.pt'} at step {saved['global_step']}" in \
+    assert f"resumed from {run_dir / 'checkpoints' / 'latest.pt'} at step {saved['counters']['global_step']}" in \
         (run_dir / "logs" / "main.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 2048
 

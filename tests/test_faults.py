@@ -1,0 +1,309 @@
+"""The fault matrix: every training script behaves the same under every fault.
+
+Each cell runs a real script in its own process group, as a terminal would, and ends with no
+live process of the run and no ``/dev/shm/prl_*`` segment of it (the autouse fixture in
+conftest.py checks both after every test). Bad-input cells call a script's ``main(argv)`` in
+this process: they must fail before anything is written, which is what makes them fast.
+Cells that one run can show together share that run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import kill_tree, run_script, start_script
+
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.runlog import read_metrics
+from common.shm import segments_of
+
+
+@dataclass
+class Script:
+    file: str
+    tiny: list[str]  # small, fast settings with 2 worker processes and no TensorBoard
+    endless: list[str]  # budget flags of a run that goes on until it is stopped
+    short: list[str]  # budget flags of a run that ends by itself within a few seconds of training
+    diverge: list[str]  # flags that make the loss NaN soon after the first checkpoint
+    untrainable_env: str  # an env id whose spaces this mode cannot train
+    checkpoints: str = "checkpoints/*.pt"  # glob of the checkpoints a run writes
+    zero_budget: list[str] = field(default_factory=lambda: ["--total-timesteps", "0"])
+
+    @property
+    def name(self) -> str:
+        return Path(self.file).stem
+
+
+SCRIPTS = [
+    Script("train_parallel_timed.py",
+           tiny=["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4", "--n-steps", "32",
+                 "--batch-size", "64", "--no-tensorboard", "--target-return", "none", "--duration", "none"],
+           endless=["--total-timesteps", str(10**9)], short=["--total-timesteps", "3072"],
+           diverge=["--learning-rate", "1e30", "--no-anneal-lr", "--max-grad-norm", "1e30",
+                    "--checkpoint-interval-s", "0.01"],
+           untrainable_env="Blackjack-v1"),
+]
+IDS = [s.name for s in SCRIPTS]
+
+
+# ------------------------------------------------------------------------ helpers
+
+def workers_of(pid: int) -> list[int]:
+    """Pids of a run's worker processes (not multiprocessing's resource tracker)."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [c.pid for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_until(predicate, timeout: float, proc=None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return bool(predicate())
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.csv"
+    return read_metrics(path) if path.exists() else []
+
+
+def log_text(run_dir: Path) -> str:
+    path = run_dir / "logs" / "main.log"
+    return path.read_text() if path.exists() else ""
+
+
+def output(proc) -> str:
+    try:
+        return proc.communicate(timeout=10)[0][-4000:]
+    except Exception:  # still running or already read
+        return ""
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def start(script: Script, run_dir: Path, *extra: str, env: dict | None = None):
+    return start_script(script.file, *script.tiny, "--output-dir", run_dir, *extra, env=env)
+
+
+def assert_clean_exit(proc, status: int, within: float) -> None:
+    try:
+        code = proc.wait(within)
+    except Exception:
+        kill_tree(proc)
+        raise AssertionError(f"did not exit within {within} s") from None
+    assert code == status, output(proc)
+
+
+# ------------------------------------------------------------------------ signals
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_signal_during_worker_startup(tmp_path, script, signum):
+    run_dir = tmp_path / "run"
+    proc = start(script, run_dir, *script.endless)
+    try:
+        assert wait_until(lambda: "started 2 worker process(es)" in log_text(run_dir), 60, proc), output(proc)
+        assert "worker process(es) ready" not in log_text(run_dir)  # still importing, most likely
+        workers = workers_of(proc.pid)
+        # Ctrl+C in a terminal reaches the whole process group; SIGTERM comes to the main process.
+        os.killpg(proc.pid, signum) if signum == signal.SIGINT else proc.send_signal(signum)
+        assert_clean_exit(proc, 128 + signum, 30)
+    finally:
+        kill_tree(proc)
+    assert wait_until(lambda: not alive(workers), 10)
+    assert summary(run_dir)["stop_reason"] == "interrupted"
+    assert segments_of(proc.pid) == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_worker_faults_then_ctrl_c_then_resume_and_a_second_run_is_locked_out(tmp_path, script):
+    """Mid-run: a worker raising, one killed with kill -9, one that hangs; then Ctrl+C; then --resume auto."""
+    run_dir = tmp_path / "run"
+    env = {"PRL_INJECT_FAULT": "raise:1:4"}
+    proc = start(script, run_dir, *script.endless, "--worker-timeout-s", "6", env=env)
+    try:
+        assert wait_until(lambda: "fault injected into worker 1" in log_text(run_dir), 90, proc), output(proc)
+        assert re.search(r"worker 1 died: raised an exception:\nTraceback", log_text(run_dir))
+        assert wait_until(lambda: len(rows(run_dir)) >= 2 and len(workers_of(proc.pid)) == 2, 60, proc)
+        victim = workers_of(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: re.search(r"worker \d died: killed by signal SIGKILL", log_text(run_dir)), 5)
+        before = len(rows(run_dir))
+        assert wait_until(lambda: len(rows(run_dir)) >= before + 2, 60, proc), "no progress after the restart"
+        frozen = workers_of(proc.pid)[1]
+        os.kill(frozen, signal.SIGSTOP)
+        assert wait_until(lambda: "hung: silent for" in log_text(run_dir), 30, proc), log_text(run_dir)[-3000:]
+        before = len(rows(run_dir))
+        assert wait_until(lambda: len(rows(run_dir)) >= before + 2, 60, proc), "training did not go on"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert_clean_exit(proc, 130, 30)
+    finally:
+        kill_tree(proc)
+    done = summary(run_dir)
+    assert done["stop_reason"] == "interrupted" and done["worker_restarts"] == 3, done
+    saved_steps = done["global_step"]
+    assert sorted(run_dir.glob(script.checkpoints)), "no checkpoint written on Ctrl+C"
+
+    resumed = start(script, run_dir, "--resume", "auto", *script.short)
+    try:
+        assert wait_until(lambda: "resumed from" in log_text(run_dir), 60, resumed), output(resumed)
+        second = run_script(script.file, *script.tiny, "--output-dir", run_dir, *script.short, timeout=60)
+        assert second.returncode == 3 and "another run holds the lock" in second.stderr, second.stderr
+        assert_clean_exit(resumed, 0, 120)
+    finally:
+        kill_tree(resumed)
+    steps = [int(r["global_step"]) for r in rows(run_dir)]
+    assert all(b > a for a, b in zip(steps, steps[1:])), f"steps repeat or go back: {steps}"
+    assert summary(run_dir)["global_step"] > saved_steps
+
+
+@pytest.mark.parametrize("repeat", range(3))
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_double_ctrl_c_exits_at_once_and_no_worker_survives(tmp_path, script, repeat):
+    run_dir = tmp_path / "run"
+    proc = start(script, run_dir, *script.endless)
+    try:
+        assert wait_until(lambda: len(rows(run_dir)) >= 1, 90, proc), output(proc)
+        workers = workers_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.02 * repeat)  # the second Ctrl+C at different moments of the first one's handling
+        os.killpg(proc.pid, signal.SIGINT)
+        assert_clean_exit(proc, 130, 5)
+    finally:
+        kill_tree(proc)
+    assert wait_until(lambda: not alive(workers), 10), f"workers outlived a double Ctrl+C: {alive(workers)}"
+
+
+# ------------------------------------------------------------------------ process deaths
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_worker_killed_during_startup_is_restarted_and_the_run_finishes(tmp_path, script):
+    run_dir = tmp_path / "run"
+    proc = start(script, run_dir, *script.short)
+    try:
+        assert wait_until(lambda: len(workers_of(proc.pid)) == 2, 60, proc), output(proc)
+        os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
+        assert_clean_exit(proc, 0, 120)
+    finally:
+        kill_tree(proc)
+    text = log_text(run_dir)
+    assert re.search(r"worker 0 died: killed by signal SIGKILL", text) and "restarted worker 0" in text, text
+    assert summary(run_dir)["worker_restarts"] == 1
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_main_process_killed_workers_exit_and_the_next_run_reclaims_memory(tmp_path, script):
+    run_dir = tmp_path / "run"
+    proc = start(script, run_dir, *script.endless)
+    try:
+        assert wait_until(lambda: len(rows(run_dir)) >= 1, 90, proc), output(proc)
+        workers = workers_of(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: not alive(workers), 10), "workers outlived their parent by more than 10 s"
+    finally:
+        kill_tree(proc)
+    result = run_script(script.file, *script.tiny, "--output-dir", tmp_path / "next", *script.short, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert segments_of(proc.pid) == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_nan_loss_exits_1_and_keeps_the_last_good_checkpoint(tmp_path, script):
+    run_dir = tmp_path / "run"
+    result = run_script(script.file, *script.tiny, "--output-dir", run_dir, *script.endless, *script.diverge,
+                        timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Last good checkpoint" in log_text(run_dir)
+    assert summary(run_dir)["stop_reason"].startswith("diverged")
+    for path in run_dir.glob(script.checkpoints):
+        model = load_checkpoint(path)["model"]
+        assert all(torch.isfinite(t).all() for t in model.values()), f"{path} holds non-finite weights"
+
+
+# ------------------------------------------------------------------------ bad input
+
+def load_main(script: Script):
+    return importlib.import_module(script.name).main  # the repository root is on sys.path (conftest)
+
+
+def fake_checkpoint(path: Path, script: str, **config) -> Path:
+    base = {"env_id": "CartPole-v1", "hidden_sizes": [64, 64]}
+    state = {"script": script, "config": {**base, **config}, "model": {}, "optimizer": {}, "target": {},
+             "counters": {}, "rng": {}}
+    return save_checkpoint(state, path)
+
+
+BAD_INPUTS = {
+    "unknown env id": (lambda s, t: ["--env-id", "NoSuchEnv-v9"], "not a registered Gymnasium id"),
+    "untrainable env": (lambda s, t: ["--env-id", s.untrainable_env], "which this mode needs"),
+    "negative workers": (lambda s, t: ["--num-workers", "-1"], "--num-workers -1: must be >="),
+    "zero budget": (lambda s, t: s.zero_budget, "must be > 0"),
+    "unknown yaml key": (lambda s, t: ["--config", write(t / "c.yaml", "learnig_rate: 0.1\n")], "unknown key"),
+    "wrong yaml type": (lambda s, t: ["--config", write(t / "c.yaml", "seed: many\n"), "--seed", "3"],
+                        "--seed 'many': must be an integer"),
+    "yaml not a mapping": (lambda s, t: ["--config", write(t / "c.yaml", "- 1\n- 2\n")], "must hold a mapping"),
+    "resume missing": (lambda s, t: ["--resume", str(t / "nothing.pt")], "no such checkpoint"),
+    "resume not a checkpoint": (lambda s, t: ["--resume", write(t / "x.pt", "hello")], "not a readable checkpoint"),
+    "resume of another script": (lambda s, t: ["--resume", str(fake_checkpoint(t / "o.pt", "other_script"))],
+                                 "is a checkpoint of other_script.py"),
+    "resume of another env": (lambda s, t: ["--resume", str(fake_checkpoint(t / "e.pt", s.name, env_id="Acrobot-v1"))],
+                              "was trained with env_id 'Acrobot-v1'"),
+    "resume of another width": (lambda s, t: ["--resume", str(fake_checkpoint(t / "w.pt", s.name, hidden_sizes=[3]))],
+                                "was trained with hidden_sizes [3]"),
+    "output dir is a file": (lambda s, t: ["--output-dir", write(t / "file", "x")], "is a file, not a directory"),
+}
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch, capsys, script, case):
+    monkeypatch.chdir(tmp_path)  # a default run directory would appear under ./runs
+    make_args, message = BAD_INPUTS[case]
+    args = make_args(script, tmp_path)
+    out_dir = [] if "--output-dir" in args else ["--output-dir", str(tmp_path / "never")]
+    # The env-id cases keep the tiny settings' other flags; CartPole stands in for the mode's env.
+    argv = [*script.tiny, *out_dir, *args]
+    try:
+        status = load_main(script)(argv)
+    except SystemExit as err:
+        status = err.code
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "never").exists() and not (tmp_path / "runs").exists()
