@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.envs import play_episodes
 from common.parallel import CONTEXT, POLL_S, ParentWatch, TooManyRestarts, describe_exit, init_worker_process
 
 log = logging.getLogger("prl.manager")
@@ -214,74 +215,6 @@ class MixturePlayer:
         return actions
 
 
-def run_episodes(vec, policy: InferencePolicy, num_episodes: int, epsilon: float, rng: np.random.Generator,
-                 max_length: int = 0, record: bool = True) -> tuple[list[dict[str, Any]], int]:
-    """Play exactly ``num_episodes`` whole episodes on the VecEnv ``vec``.
-
-    Every environment is reset first; an episode counts only if it *starts* while more
-    are needed, so the returned episodes are whole and none is cut by the batch end.
-    With ``record`` each episode carries ``obs`` (T+1, the last one final), ``actions``,
-    ``rewards``, ``terminated`` and, for envs with ``info["action_mask"]``, ``masks``
-    (T+1). Returns (episodes, environment steps taken).
-    """
-    vec.seed = int(rng.integers(2**31 - 1))  # VecEnv.reset reseeds from .seed: new games every batch
-    obs = vec.reset()
-    masks = vec.last_infos.get("action_mask")
-    n = vec.num_envs
-    start = np.full(n, -1, dtype=np.int64)  # step where env i's counted episode began, -1 = not counted
-    counted = min(n, num_episodes)
-    start[:counted] = 0
-    obs_hist, mask_hist, act_hist, rew_hist = [], [], [], []
-    finished: list[tuple] = []  # (env, first step, last step, final obs, final mask, terminated, info)
-    t = 0
-    while len(finished) < num_episodes:
-        actions = policy.act(obs, masks, epsilon, rng)
-        result = vec.step(actions)
-        if record:
-            obs_hist.append(obs)
-            mask_hist.append(masks)
-            act_hist.append(actions)
-        rew_hist.append(result.rewards)
-        done = result.terminations | result.truncations
-        next_masks = result.infos.get("action_mask")
-        too_long = (start >= 0) & (t - start + 1 >= max_length) if max_length > 0 else np.zeros(n, dtype=bool)
-        infos = {ep["env_index"]: ep for ep in result.episodes}
-        for i in np.flatnonzero(done | too_long):
-            if start[i] >= 0:
-                if done[i]:
-                    final_obs, final_mask = result.final_obs[i], None  # terminal: its mask is never used
-                else:  # cut here: the episode goes on in the env, so the current obs and mask are the final ones
-                    final_obs = result.obs[i]
-                    final_mask = next_masks[i] if next_masks is not None else None
-                finished.append((i, start[i], t, final_obs, final_mask, bool(result.terminations[i]),
-                                 infos.get(i, {})))
-                start[i] = -1
-            if done[i] and counted < num_episodes:
-                start[i] = t + 1
-                counted += 1
-        obs, masks = result.obs, next_masks
-        t += 1
-    rewards = np.stack(rew_hist)
-    episodes = [_episode(rewards, obs_hist, mask_hist, act_hist, record, *item) for item in finished]
-    return episodes, t * n
-
-
-def _episode(rewards, obs_hist, mask_hist, act_hist, record, i, first, last, final_obs, final_mask,
-             terminated, info) -> dict[str, Any]:
-    episode_rewards = rewards[first:last + 1, i].astype(np.float32)
-    episode: dict[str, Any] = {"return": float(episode_rewards.sum()), "length": int(last - first + 1),
-                               "terminated": terminated}
-    episode.update({k: v for k, v in info.items() if k not in ("env_index", "return", "length")})
-    if record:
-        episode["obs"] = np.stack([o[i] for o in obs_hist[first:last + 1]] + [final_obs])
-        episode["actions"] = np.array([a[i] for a in act_hist[first:last + 1]], dtype=np.int64)
-        episode["rewards"] = episode_rewards
-        if mask_hist[first] is not None:
-            last_mask = final_mask if final_mask is not None else np.ones_like(mask_hist[first][i])
-            episode["masks"] = np.stack([m[i] for m in mask_hist[first:last + 1]] + [last_mask])
-    return episode
-
-
 def split_by_transitions(episodes: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]]:
     """Group whole episodes into chunks of at most ``limit`` transitions (an episode is never split)."""
     chunks, current, size = [], [], 0
@@ -434,11 +367,15 @@ class RolloutWorker:
                 continue
             self._collect()
 
+    def _actor(self, epsilon: float):
+        return lambda obs, masks: self.policy.act(obs, masks, epsilon, self.rng)
+
     def _collect(self) -> None:
         started = time.perf_counter()
         version, epsilon = self.policy.version, self.epsilon
-        episodes, steps = run_episodes(self.vec, self.policy, self.config.games_per_worker, epsilon, self.rng,
-                                       self.config.max_game_length)
+        episodes, steps = play_episodes(self.vec, self._actor(epsilon), self.config.games_per_worker,
+                                        self.config.max_game_length, record=True,
+                                        seed=int(self.rng.integers(2**31 - 1)))
         seconds = time.perf_counter() - started
         self.episodes_done += len(episodes)
         chunks = split_by_transitions(episodes, self.config.experience_batch_size)
@@ -458,8 +395,8 @@ class RolloutWorker:
                 from common.envs.connect_four import make_player
 
                 vec.env.set_opponent(make_player(request["opponent"], int(self.rng.integers(2**31 - 1))))
-            episodes, steps = run_episodes(vec, self.policy, request["episodes"], request.get("epsilon", 0.0),
-                                           self.rng, self.config.max_game_length, record=False)
+            episodes, steps = play_episodes(vec, self._actor(request.get("epsilon", 0.0)), request["episodes"],
+                                            self.config.max_game_length, seed=int(self.rng.integers(2**31 - 1)))
         finally:
             vec.close()
         self.send("eval", {"request": request["request"], "episodes": episodes, "steps": steps})

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.envs import make_vec_env
+from common.envs import make_vec_env, play_episodes
 from common.manager import (
     InferencePolicy,
     ManagerConfig,
     ModelSynchronizer,
     ParallelManager,
     WorkerSpec,
-    run_episodes,
     split_by_transitions,
 )
 from common.networks import QNetwork
@@ -63,12 +62,13 @@ def test_split_keeps_episodes_whole():
     assert [[e["length"] for e in c] for c in chunks] == [[5, 5], [12], [1, 3]]
 
 
-def test_run_episodes_whole_with_masks():
+def test_play_episodes_whole_with_masks():
     env = gym.make("ConnectFour-v0")
     policy = InferencePolicy(env.observation_space, env.action_space, HIDDEN)
     policy.load(ModelSynchronizer().pack(QNetwork(env.observation_space, env.action_space, HIDDEN).state_dict()))
     vec = make_vec_env("ConnectFour-v0", 3, seed=0, opponent="random")
-    episodes, steps = run_episodes(vec, policy, 7, 0.3, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    episodes, steps = play_episodes(vec, lambda obs, masks: policy.act(obs, masks, 0.3, rng), 7, record=True, seed=5)
     assert len(episodes) == 7 and steps >= sum(e["length"] for e in episodes) // 3
     for ep in episodes:
         n = ep["length"]

@@ -159,3 +159,76 @@ def _is_same_step(spec) -> bool:
         entry = getattr(__import__(module, fromlist=[name]), name)
     mode = getattr(entry, "metadata", {}).get("autoreset_mode")
     return mode is not None and AutoresetMode(mode) is AutoresetMode.SAME_STEP
+
+
+def play_episodes(vec: VecEnv, act: Callable[[np.ndarray, np.ndarray | None], np.ndarray], num_episodes: int,
+                  max_length: int = 0, record: bool = False,
+                  seed: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Play exactly ``num_episodes`` whole episodes on ``vec`` with ``act(obs, action_masks) -> actions``.
+
+    Every environment is reset first (with ``seed`` when given, for new games every call); an
+    episode counts only if it *starts* while more are needed, so the returned episodes are
+    whole and none is cut by the call's end (ties are broken by env index, so the result does
+    not depend on timing). ``max_length`` > 0 cuts longer episodes (not terminated). Each
+    episode has ``return``, ``length``, ``terminated`` and the env's numeric episode info
+    (coverage, net worth ...); with ``record`` also ``obs`` (T+1, the last one final),
+    ``actions``, ``rewards`` and, for envs with ``info["action_mask"]``, ``masks`` (T+1).
+    Returns (episodes, environment steps taken).
+    """
+    if seed is not None:
+        vec.seed = seed
+    obs = vec.reset()
+    masks = vec.last_infos.get("action_mask")
+    n = vec.num_envs
+    start = np.full(n, -1, dtype=np.int64)  # step where env i's counted episode began, -1 = not counted
+    counted = min(n, num_episodes)
+    start[:counted] = 0
+    obs_hist, mask_hist, act_hist, rew_hist = [], [], [], []
+    finished: list[tuple] = []  # (env, first step, last step, final obs, final mask, terminated, info)
+    t = 0
+    while len(finished) < num_episodes:
+        actions = act(obs, masks)
+        result = vec.step(actions)
+        if record:
+            obs_hist.append(obs)
+            mask_hist.append(masks)
+            act_hist.append(actions)
+        rew_hist.append(result.rewards)
+        done = result.terminations | result.truncations
+        next_masks = result.infos.get("action_mask")
+        too_long = (start >= 0) & (t - start + 1 >= max_length) if max_length > 0 else np.zeros(n, dtype=bool)
+        infos = {ep["env_index"]: ep for ep in result.episodes}
+        for i in np.flatnonzero(done | too_long):
+            if start[i] >= 0:
+                if done[i]:
+                    final_obs, final_mask = result.final_obs[i], None  # terminal: its mask is never used
+                else:  # cut here: the episode goes on in the env, so the current obs and mask are the final ones
+                    final_obs = result.obs[i]
+                    final_mask = next_masks[i] if next_masks is not None else None
+                finished.append((i, start[i], t, final_obs, final_mask, bool(result.terminations[i]),
+                                 infos.get(i, {})))
+                start[i] = -1
+            if done[i] and counted < num_episodes:
+                start[i] = t + 1
+                counted += 1
+        obs, masks = result.obs, next_masks
+        t += 1
+    rewards = np.stack(rew_hist)
+    episodes = [_episode(rewards, obs_hist, mask_hist, act_hist, record, *item) for item in finished]
+    return episodes, t * n
+
+
+def _episode(rewards, obs_hist, mask_hist, act_hist, record, i, first, last, final_obs, final_mask,
+             terminated, info) -> dict[str, Any]:
+    episode_rewards = rewards[first:last + 1, i].astype(np.float32)
+    episode: dict[str, Any] = {"return": float(episode_rewards.sum()), "length": int(last - first + 1),
+                               "terminated": terminated}
+    episode.update({k: v for k, v in info.items() if k not in ("env_index", "return", "length")})
+    if record:
+        episode["obs"] = np.stack([o[i] for o in obs_hist[first:last + 1]] + [final_obs])
+        episode["actions"] = np.array([a[i] for a in act_hist[first:last + 1]], dtype=np.int64)
+        episode["rewards"] = episode_rewards
+        if mask_hist[first] is not None:
+            last_mask = final_mask if final_mask is not None else np.ones_like(mask_hist[first][i])
+            episode["masks"] = np.stack([m[i] for m in mask_hist[first:last + 1]] + [last_mask])
+    return episode
