@@ -324,7 +324,7 @@ class PPOTrainer:
             raise TrainingDiverged(f"loss became {stats['policy_loss']} at update {run.counters['updates']}")
 
     def state_dict(self) -> dict:
-        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
 
 
 def make_batch(cfg: Config, buf: dict[str, np.ndarray], device) -> dict:

@@ -36,6 +36,26 @@ def obs_dim(space: gym.Space) -> int:
     return int(np.prod(space.shape))
 
 
+def space_spec(space: gym.Space) -> dict:
+    """A Discrete or Box space as plain values (what a checkpoint can hold under weights_only)."""
+    if isinstance(space, gym.spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n)}
+    low, high = np.asarray(space.low), np.asarray(space.high)
+    uniform = low.size and (low == low.flat[0]).all() and (high == high.flat[0]).all()
+    return {"type": "Box", "shape": list(space.shape), "dtype": str(space.dtype),
+            "low": float(low.flat[0]) if uniform else low.tolist(),
+            "high": float(high.flat[0]) if uniform else high.tolist()}
+
+
+def space_from_spec(spec: dict) -> gym.Space:
+    if spec["type"] == "Discrete":
+        return gym.spaces.Discrete(spec["n"])
+    dtype = np.dtype(spec["dtype"])
+    low = np.broadcast_to(np.asarray(spec["low"], dtype=np.float64), spec["shape"]).astype(dtype)
+    high = np.broadcast_to(np.asarray(spec["high"], dtype=np.float64), spec["shape"]).astype(dtype)
+    return gym.spaces.Box(low, high, dtype=dtype)
+
+
 class ActorCritic(nn.Module):
     """Separate actor and critic MLPs for a Discrete or Box action space.
 
@@ -47,6 +67,9 @@ class ActorCritic(nn.Module):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
                  hidden: tuple[int, ...] = (64, 64)):
         super().__init__()
+        # Everything needed to build this network again (a checkpoint stores it under "policy").
+        self.spec = {"class": "ActorCritic", "observation_space": space_spec(observation_space),
+                     "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "tanh"}
         in_dim = obs_dim(observation_space)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(action_space, gym.spaces.Box):
@@ -113,10 +136,19 @@ class QNetwork(nn.Module):
         super().__init__()
         if not isinstance(action_space, gym.spaces.Discrete):
             raise ValueError(f"DQN needs a Discrete action space, not {action_space}")
+        self.spec = {"class": "QNetwork", "observation_space": space_spec(observation_space),
+                     "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "relu"}
         self.net = mlp(obs_dim(observation_space), hidden, int(action_space.n), out_std=1.0, activation=nn.ReLU)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs.flatten(1))
+
+
+def build_network(spec: dict) -> nn.Module:
+    """The (untrained) network a ``spec`` describes; load a checkpoint's ``model`` into it."""
+    classes = {"ActorCritic": ActorCritic, "QNetwork": QNetwork}
+    return classes[spec["class"]](space_from_spec(spec["observation_space"]), space_from_spec(spec["action_space"]),
+                                  tuple(spec["hidden_sizes"]))
 
 
 def flat_size(model: nn.Module) -> int:
