@@ -138,14 +138,14 @@ def make_agent(cfg: Config, envs):
     return networks.ActorCritic(envs.single_observation_space, envs.single_action_space, tuple(cfg.hidden_sizes))
 
 
-def rollout_worker(link, cfg_dict: dict, specs: dict, first_env: int, seed: int) -> None:
+def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_env: int, seed: int) -> None:
     """Worker process: owns ``num_envs_per_worker`` environments and a copy of the policy."""
     # A rollout step runs the policy on a handful of observations, where extra torch threads
     # only add wake-up latency (one LunarLander worker: 14.8k steps/s with one thread, 12.0k with two).
     set_torch_threads(1)
     cfg = Config(**cfg_dict)
     buf, handles = attach_all(specs)
-    envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env)
+    envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
     try:
         agent = make_agent(cfg, envs)
         cols = slice(first_env, first_env + cfg.num_envs_per_worker)
@@ -180,7 +180,7 @@ class InProcessCollector:
         self.cfg, self.buf, self.run = run.cfg, buf, run
         self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
         self.agent = agent if self.learner_on_cpu else copy.deepcopy(agent).cpu()
-        self.envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed)
+        self.envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(self.envs.close)
         self.next_obs = self.envs.reset().astype(np.float32)
 
@@ -208,7 +208,7 @@ class WorkerCollector:
         def args_for(index: int) -> tuple:
             lives = self.supervisor.workers[index].restarts if hasattr(self, "supervisor") else 0
             # A restarted worker gets fresh seeds so it does not replay the episodes it died in.
-            return cfg_dict, specs, index * cfg.num_envs_per_worker, seed + 1_000_003 * lives
+            return cfg_dict, run.env_kwargs, specs, index * cfg.num_envs_per_worker, seed + 1_000_003 * lives
 
         self.supervisor = run.supervise(Supervisor(
             rollout_worker, cfg.num_workers, args_for, name="worker", max_restarts=cfg.max_worker_restarts,

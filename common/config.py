@@ -77,6 +77,8 @@ def _coerce(field: str, tp: Any, value: Any) -> Any:
     origin = typing.get_origin(base)
     if origin is list:
         (item_type,) = typing.get_args(base) or (str,)
+        if isinstance(value, dict):  # YAML's key: value form of a KEY=VALUE list (env_kwargs)
+            value = [f"{k}={v}" for k, v in value.items()]
         items = value if isinstance(value, (list, tuple)) else [value]
         return [_coerce(field, item_type, item) for item in items]
     if base is bool:

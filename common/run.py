@@ -86,6 +86,7 @@ class RunConfig:
     tensorboard: bool = True  # also write TensorBoard events to tb/
     max_worker_restarts: int = 3  # restarts per worker before the run gives up (exit 1)
     worker_timeout_s: float = 120.0  # a worker not started, or silent, this long is killed and restarted
+    env_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE keyword arguments for gymnasium.make
 
     MIN_WORKERS = 1  # the fewest worker processes the mode can run with (0: in-process)
 
@@ -112,6 +113,23 @@ class RunConfig:
             from common.system import resolve_device
 
             resolve_device(self.device)
+        parse_env_kwargs(self.env_kwargs)
+
+
+def parse_env_kwargs(pairs: list[str]) -> dict[str, Any]:
+    """``["size=8", "view=global"]`` -> ``{"size": 8, "view": "global"}`` (values read as YAML scalars)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = str(pair).partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError("env_kwargs", pair, "must be KEY=VALUE with KEY a Python identifier")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
 
 
 def parse_target(value: str | None) -> float | str | None:
@@ -314,11 +332,15 @@ class TimeBudget:
 
     @contextmanager
     def part(self, name: str):
-        started = time.perf_counter()
+        """Count the time spent in the ``with`` block towards ``name`` (time before the first env
+        step is start-up, whatever the block was doing, so it is not counted twice)."""
+        started = time.time()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - started
+            ended = time.time()
+            begin = max(started, self.first_step) if self.first_step is not None else ended
+            self.seconds[name] += max(0.0, ended - begin)
 
     def report(self) -> dict[str, float]:
         total = time.time() - self.process_start
@@ -351,11 +373,12 @@ class Run:
 
     def __init__(self, script: str, cfg: Any, env: EnvInfo, run_dir: Path, lock: RunLock | None,
                  resume_path: Path | None, resumed: dict | None, budget: TimeBudget, metrics_columns: list[str],
-                 dist: Any = None):
+                 dist: Any = None, env_kwargs: dict | None = None):
         from common.distributed import SingleProcess
         from common.system import ProcessTreeSampler
 
         self.script, self.cfg, self.env, self.run_dir = script, cfg, env, run_dir
+        self.env_kwargs = dict(env_kwargs or {})  # gymnasium.make kwargs: checkpoints keep them for evaluation
         self.resume_path, self.resumed = resume_path, resumed
         self.budget, self._lock = budget, lock
         self.dist = dist or SingleProcess()  # under torchrun: this rank; rank 0 alone writes files
@@ -488,7 +511,7 @@ class Run:
             self.counters["wall_time"] = self.wall_time
             self.counters["recent_returns"] = list(self.recent)
             full = {"script": self.script, "config": config_dict(self.cfg), "counters": dict(self.counters),
-                    "rng": rng_state(), **state}
+                    "env": {"id": self.cfg.env_id, "kwargs": self.env_kwargs}, "rng": rng_state(), **state}
             path = save_checkpoint(full, self.run_dir / "checkpoints" / name)
         self._last_checkpoint = time.monotonic()
         self.last_good_checkpoint = path
@@ -548,17 +571,22 @@ class Mode:
     checkpoint_pattern: str = r".*\.pt"  # files --resume auto considers
     resume_requires: tuple[str, ...] = ("model",)  # keys a checkpoint to continue from must have
     metrics_columns: list[str] = field(default_factory=list)  # metrics.csv columns after the core ones
-    env_kwargs: Callable[[Any], dict] = lambda cfg: {}  # gymnasium.make kwargs from the config
+    env_kwargs: Callable[[Any], dict] = lambda cfg: {}  # gymnasium.make kwargs from the config (plain values)
     check: Callable[[Any, EnvInfo], None] | None = None  # the mode's own checks (RAM, /dev/shm ...): ConfigError
     probe: Callable[[Any], EnvInfo] | None = None  # replaces probe_env (e.g. to load a data cache once)
     distributed: bool = False  # under torchrun, every rank runs the trainer (DD-PPO); rank 0 writes
+
+
+def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
+    """What every env of the run is made with: the mode's own settings, then ``--env-kwargs``."""
+    return {**mode.env_kwargs(cfg), **parse_env_kwargs(getattr(cfg, "env_kwargs", []))}
 
 
 def prepare(mode: Mode, argv: list[str] | None) -> tuple[Any, EnvInfo, Path, Path | None, dict | None, bool]:
     """Steps 1 and the checks of step 2: everything that may exit 2 before anything is written."""
     parsed, actions = parse_args(mode.config, argv, mode.description)
     cfg = FlatConfig(parsed) if isinstance(parsed, dict) else parsed
-    env = mode.probe(cfg) if mode.probe else probe_env(cfg.env_id, mode.env_kwargs(cfg), mode.actions, cfg.seed)
+    env = mode.probe(cfg) if mode.probe else probe_env(cfg.env_id, env_kwargs_of(mode, cfg), mode.actions, cfg.seed)
     if mode.check is not None:
         mode.check(cfg, env)
     resume_path, state = (None, None)
@@ -608,7 +636,8 @@ def open_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Pat
         sys.exit(EXIT_LOCKED)
     setup_logging(run_dir / "logs" / "main.log", f"prl.{mode.script}", console=True)
     save_config(_groups_or_config(cfg), run_dir / "config.yaml")
-    return Run(mode.script, cfg, env, run_dir, lock, resume_path, state, budget, mode.metrics_columns)
+    return Run(mode.script, cfg, env, run_dir, lock, resume_path, state, budget, mode.metrics_columns,
+               env_kwargs=env_kwargs_of(mode, cfg))
 
 
 def run_training(mode: Mode, argv: list[str] | None = None) -> int:
@@ -648,7 +677,8 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
         run.dist, run.is_main = dist, True
         return run
     distributed.log_to_stderr(dist.rank)
-    return Run(mode.script, cfg, env, run_dir, None, resume_path, state, budget, mode.metrics_columns, dist)
+    return Run(mode.script, cfg, env, run_dir, None, resume_path, state, budget, mode.metrics_columns, dist,
+               env_kwargs_of(mode, cfg))
 
 
 def execute(mode: Mode, run: Run) -> int:

@@ -29,11 +29,14 @@ FAST_VECTOR_ENVS: dict[str, Callable[..., gym.vector.VectorEnv]] = {
 }
 
 
-def make_env(env_id: str, seed: int, env_index: int = 0, **env_kwargs) -> Callable[[], gym.Env]:
-    """A thunk creating one environment seeded with ``seed + env_index``."""
+def make_env(env_id: str, seed: int, env_index: int = 0, wrap: Callable[[gym.Env], gym.Env] | None = None,
+             **env_kwargs) -> Callable[[], gym.Env]:
+    """A thunk creating one environment seeded with ``seed + env_index`` (and wrapped by ``wrap``)."""
 
     def thunk() -> gym.Env:
         env = gym.make(env_id, **env_kwargs)
+        if wrap is not None:
+            env = wrap(env)
         env.action_space.seed(seed + env_index)
         env.observation_space.seed(seed + env_index)
         return env
@@ -135,19 +138,21 @@ def _scalars_at(info: dict[str, Any], i: int) -> dict[str, float]:
 
 
 def make_vec_env(env_id: str, num_envs: int, seed: int, first_index: int = 0,
-                 vectorize: bool = True, **env_kwargs) -> VecEnv:
+                 vectorize: bool = True, wrap: Callable[[gym.Env], gym.Env] | None = None, **env_kwargs) -> VecEnv:
     """``num_envs`` copies of ``env_id`` behind the :class:`VecEnv` interface.
 
-    Uses the environment's numpy-vectorized form when it has one (and ``vectorize``),
-    else a synchronous loop over ``gym.make`` copies in this process.
+    Uses the environment's numpy-vectorized form when it has one (and ``vectorize``, and no
+    ``wrap`` of each copy is asked for), else a synchronous loop over ``gym.make`` copies in
+    this process.
     """
     spec = gym.spec(env_id)
+    vectorize = vectorize and wrap is None
     if vectorize and env_id in FAST_VECTOR_ENVS:
         env = FAST_VECTOR_ENVS[env_id](num_envs=num_envs, **env_kwargs)
     elif vectorize and spec.vector_entry_point is not None and _is_same_step(spec):
         env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **env_kwargs)
     else:
-        thunks = [make_env(env_id, seed, first_index + i, **env_kwargs) for i in range(num_envs)]
+        thunks = [make_env(env_id, seed, first_index + i, wrap, **env_kwargs) for i in range(num_envs)]
         env = SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.SAME_STEP)
     return VecEnv(env, seed, first_index)
 

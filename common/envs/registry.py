@@ -22,3 +22,27 @@ def register_builtin_envs() -> None:
     for env_id, entry in BUILTIN_ENVS.items():
         if env_id not in gym.registry:
             gym.register(id=env_id, **entry)
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def builtin_scores(env_id: str) -> dict:
+    """How good a policy is on a built-in env, beyond its return: name -> (env kwargs for the
+    episodes it is measured on, {} = the evaluation episodes themselves; function of those episodes)."""
+    if env_id == "ConnectFour-v0":
+        return {f"win_rate_vs_{name}": ({"opponent": name}, lambda eps: _mean(e["result"] == 1 for e in eps))
+                for name in ("random", "heuristic")}
+    if env_id == "GridCoverage-v0":
+        return {"mean_coverage": ({}, lambda eps: _mean(e["coverage"] for e in eps))}
+    if env_id == "Market-v0":  # the reward is the change of net worth in % of the initial cash
+        return {"profit_percent": ({}, lambda eps: _mean(e["return"] for e in eps)),
+                "mean_net_worth": ({}, lambda eps: _mean(e["net_worth"] for e in eps))}
+    return {}
+
+
+# Evaluation plays a built-in env with these settings over the training ones: the market's
+# held-out part of the history, never seen in training.
+EVALUATION_KWARGS = {"Market-v0": {"split": "eval"}}

@@ -1,0 +1,233 @@
+"""Evaluate, watch, record or export what any run trained.
+
+    python -m common.evaluate RUN_DIR_OR_CHECKPOINT [--episodes 10] [--json]
+    python -m common.evaluate runs/ultra_parallel_train_dqn/... --video videos/      # MP4s (rgb_array)
+    python -m common.evaluate runs/train_parallel_timed/... --render                # a window, where possible
+    python -m common.evaluate runs/train_ppo_multiprocess/... --member 3            # one agent of a population
+    python -m common.evaluate CHECKPOINT --export policy.onnx                       # ONNX, checked against torch
+
+The env and the policy are rebuilt from what the run saved (the checkpoint's ``env`` and
+``policy`` entries), so no other flag is needed. Episodes are played greedily on seeds the
+training never used. Besides the return, a built-in env reports its own score (ConnectFour win
+rates against the random and the heuristic player, GridCoverage coverage, Market profit).
+Exit status: 0, or 2 with one line for a path that holds no usable checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EXIT_USAGE = 2
+EVAL_SEED = 1_000_000  # far from every training seed (environment i of a run is seeded seed + i)
+MAX_ENVS = 8  # episodes are played this many at a time
+
+
+class EvaluationError(ValueError):
+    """The path holds no checkpoint this command can use; the message is one line."""
+
+
+def find_checkpoint(path: str | Path, member: int | None = None) -> Path:
+    """The checkpoint to evaluate: the file itself, or the best one of a run directory.
+
+    In a run directory: ``ultra_final_model.pth``, then ``best.pt`` (a population's best agent;
+    with ``member`` the newest checkpoint of that worker), then the newest file in checkpoints/.
+    """
+    from common.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise EvaluationError(f"{path}: no such file or directory")
+    if member is not None:
+        found = latest_checkpoint(path / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
+        if found is None:
+            raise EvaluationError(f"{path}: no checkpoint of population member {member}")
+        return found
+    for name in ("ultra_final_model.pth", "best.pt"):
+        if (path / name).is_file():
+            return path / name
+    found = latest_checkpoint(path / "checkpoints", r".*\.pth?")
+    if found is None:
+        raise EvaluationError(f"{path}: not a run directory with a checkpoint (looked in {path / 'checkpoints'})")
+    return found
+
+
+def load(path: Path, device: str = "cpu") -> tuple[Any, dict]:
+    """The policy and the env description (``{"id", "kwargs"}``) a checkpoint holds."""
+    from common.checkpoint import CheckpointError, load_checkpoint
+    from common.policy import load_policy
+
+    try:
+        state = load_checkpoint(path, required=("model", "policy"))
+        policy = load_policy(path, device)
+    except CheckpointError as err:
+        raise EvaluationError(str(err)) from None
+    env = state.get("env") or {"id": state.get("config", {}).get("env_id"), "kwargs": {}}
+    if not env.get("id"):
+        raise EvaluationError(f"{path}: the checkpoint does not say which env it was trained on")
+    return policy, env
+
+
+def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render: str | None = None,
+         video_dir: str | None = None) -> tuple[list[dict], np.ndarray]:
+    """``episodes`` greedy episodes; returns them and a batch of the observations seen (for export checks)."""
+    from common.envs import make_vec_env, play_episodes
+
+    seen: list[np.ndarray] = []
+
+    def act(obs, masks):
+        if len(seen) < 64:
+            seen.append(np.array(obs))
+        return policy.act(obs, masks)
+
+    if video_dir and not render:
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # frames are drawn off screen: no display needed
+    if render or video_dir:  # one env, wrapped, so that every frame is drawn or recorded
+        kwargs = {**env_kwargs, "render_mode": render or "rgb_array"}
+        wrap = (lambda env: _record(env, video_dir, env_id)) if video_dir else None
+        vec = make_vec_env(env_id, 1, seed, vectorize=False, wrap=wrap, **kwargs)
+    else:
+        vec = make_vec_env(env_id, min(episodes, MAX_ENVS), seed, **env_kwargs)
+    try:
+        played, _ = play_episodes(vec, act, episodes)
+    finally:
+        vec.close()
+    if video_dir:  # the env reset once more after the last episode: drop that stub of a recording
+        for extra in Path(video_dir).glob(f"{_video_prefix(env_id)}-episode-*.mp4"):
+            if int(re.findall(r"\d+", extra.stem)[-1]) >= episodes:
+                extra.unlink()
+    return played, np.concatenate(seen)[:256]
+
+
+def _video_prefix(env_id: str) -> str:
+    return re.sub(r"[^\w.-]", "_", env_id)
+
+
+def _record(env, video_dir: str, env_id: str):
+    from gymnasium.wrappers import RecordVideo
+
+    return RecordVideo(env, video_dir, episode_trigger=lambda _: True, name_prefix=_video_prefix(env_id),
+                       disable_logger=True)
+
+
+def report(episodes: list[dict], env_id: str, env_kwargs: dict, policy, seed: int) -> dict:
+    from common.envs.registry import builtin_scores
+
+    returns = np.array([e["return"] for e in episodes], dtype=np.float64)
+    out = {"env_id": env_id, "episodes": len(episodes), "mean_return": float(returns.mean()),
+           "std_return": float(returns.std()), "mean_length": float(np.mean([e["length"] for e in episodes]))}
+    for name, (kwargs, score) in builtin_scores(env_id).items():
+        scored = episodes if not kwargs else play(policy, env_id, {**env_kwargs, **kwargs}, len(episodes), seed)[0]
+        out[name] = score(scored)
+    return out
+
+
+def export_onnx(policy, observations: np.ndarray, path: str | Path, tolerance: float = 1e-5) -> dict:
+    """Write the policy as ONNX (raw observation in, logits / means / Q-values out) and check it.
+
+    The exported model runs under onnxruntime on real observations and must agree with
+    PyTorch to ``tolerance``; otherwise the file is removed and RuntimeError raised.
+    """
+    import onnxruntime
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    example = torch.as_tensor(observations[:2])
+    batch = torch.export.Dim("batch", min=1)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress chatter
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        torch.onnx.export(policy.cpu(), (example,), str(path), input_names=["obs"], output_names=["out"],
+                          dynamic_shapes={"obs": {0: batch}}, dynamo=True, verbose=False)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    obs = np.ascontiguousarray(observations, dtype=np.float32)
+    got = session.run(None, {"obs": obs})[0]
+    with torch.no_grad():
+        want = policy(torch.as_tensor(obs)).numpy()
+    error = float(np.abs(got - want).max())
+    if not error <= tolerance:
+        path.unlink(missing_ok=True)
+        raise RuntimeError(f"ONNX and PyTorch outputs differ by {error:.2e} (> {tolerance:g})")
+    return {"path": str(path), "max_abs_error": error, "checked_observations": len(obs)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m common.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="a run directory of any script, or a checkpoint file")
+    parser.add_argument("--episodes", type=int, default=10, help="greedy episodes to play (default 10)")
+    parser.add_argument("--member", type=int, help="population runs: evaluate this worker's agent, not the best")
+    parser.add_argument("--seed", type=int, default=EVAL_SEED, help="seed of the first episode's env")
+    parser.add_argument("--render", action="store_true", help="show the episodes in a window (render_mode human)")
+    parser.add_argument("--video", metavar="DIR", help="record every episode as an MP4 into DIR")
+    parser.add_argument("--export", metavar="FILE.onnx", help="also write the policy as ONNX (checked)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--device", default="cpu", help="where the policy runs (default cpu)")
+    parser.error = lambda message: _usage(message)
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        _usage(f"--episodes {args.episodes}: must be >= 1")
+    return args
+
+
+def _usage(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        path = find_checkpoint(args.path, args.member)
+        policy, env = load(path, args.device)
+    except EvaluationError as err:
+        _usage(str(err))
+    from common.envs.registry import EVALUATION_KWARGS
+
+    env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {})}
+    episodes, observations = play(policy, env["id"], env_kwargs, args.episodes, args.seed,
+                                  "human" if args.render else None, args.video)
+    result = {"checkpoint": str(path), **report(episodes, env["id"], env_kwargs, policy, args.seed)}
+    if args.video:
+        result["videos"] = sorted(str(p) for p in Path(args.video).glob("*.mp4"))
+    if args.export:
+        result["export"] = export_onnx(policy, observations, args.export)
+    print(json.dumps(result, indent=2) if args.json else _text(result))
+    return 0
+
+
+def _text(result: dict) -> str:
+    lines = [f"{result['checkpoint']}: {result['env_id']}, {result['episodes']} greedy episodes",
+             f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
+             f"mean length {result['mean_length']:.1f}"]
+    skip = {"checkpoint", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos", "export"}
+    for key, value in result.items():
+        if key not in skip:
+            shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value
+            lines.append(f"  {re.sub('_', ' ', key)}: {shown}")
+    if "videos" in result:
+        lines.append(f"  videos: {len(result['videos'])} file(s) in {Path(result['videos'][0]).parent}"
+                     if result["videos"] else "  videos: none written")
+    if "export" in result:
+        lines.append(f"  ONNX: {result['export']['path']} (max |onnx - torch| = "
+                     f"{result['export']['max_abs_error']:.1e} over {result['export']['checked_observations']} "
+                     "observations)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
