@@ -262,8 +262,10 @@ def require_env_id(env_id: str) -> None:
     """Check that an env id is registered (importing common.envs registers the built-ins)."""
     import gymnasium as gym
 
-    from common import envs  # noqa: F401  (registers built-in envs)
+    from common import envs  # registers the built-in envs
 
+    if envs.atari.is_atari(env_id) and env_id not in gym.registry and not envs.atari.register():
+        raise ConfigError("env_id", env_id, "Atari ids need ale-py: pip install -r requirements-extras.txt")
     if env_id not in gym.registry:
         close = [k for k in gym.registry if env_id.split("-")[0].lower() in k.lower()][:5]
         hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.registry for ids"

@@ -56,12 +56,53 @@ def space_from_spec(spec: dict) -> gym.Space:
     return gym.spaces.Box(low, high, dtype=dtype)
 
 
-class ActorCritic(nn.Module):
-    """Separate actor and critic MLPs for a Discrete or Box action space.
+def is_image(space: gym.Space) -> bool:
+    """An observation that is a picture (frames, channels first): uint8 of rank 3."""
+    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.dtype == np.uint8
 
-    Discrete actions: a categorical over logits. Box actions: a diagonal Gaussian with a
-    state-independent log standard deviation; the sampled action is returned unclipped
-    (the rollout clips it to the bounds before stepping the env).
+
+class NatureCNN(nn.Module):
+    """The convolutional encoder of the DQN Nature paper (Mnih et al., 2015): uint8 frames in, 512 features out."""
+
+    out_dim = 512
+
+    def __init__(self, observation_space: gym.Space):
+        super().__init__()
+        channels, height, width = observation_space.shape
+        self.conv = nn.Sequential(
+            layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            flat = self.conv(torch.zeros(1, channels, height, width)).shape[1]
+        self.fc = nn.Sequential(layer_init(nn.Linear(flat, self.out_dim)), nn.ReLU())
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(obs.float() / 255.0))
+
+
+class Flat(nn.Flatten):
+    """The encoder of a vector observation: the observation itself, as one float vector."""
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return obs.flatten(1).float()
+
+
+def encoder(observation_space: gym.Space) -> tuple[nn.Module, int]:
+    """The observation encoder, chosen by the observation: a Nature CNN for images, else none."""
+    if is_image(observation_space):
+        return NatureCNN(observation_space), NatureCNN.out_dim
+    return Flat(), obs_dim(observation_space)
+
+
+class ActorCritic(nn.Module):
+    """Actor and critic for a Discrete or Box action space.
+
+    Vector observations: separate actor and critic MLPs. Images: one Nature CNN shared by
+    linear actor and critic heads (as CleanRL's ``ppo_atari.py``). Discrete actions: a
+    categorical over logits. Box actions: a diagonal Gaussian with a state-independent log
+    standard deviation; the sampled action is returned unclipped (the rollout clips it to the
+    bounds before stepping the env).
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
@@ -70,21 +111,26 @@ class ActorCritic(nn.Module):
         # Everything needed to build this network again (a checkpoint stores it under "policy").
         self.spec = {"class": "ActorCritic", "observation_space": space_spec(observation_space),
                      "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "tanh"}
-        in_dim = obs_dim(observation_space)
+        self.trunk, in_dim = encoder(observation_space)
+        heads_hidden = () if is_image(observation_space) else tuple(hidden)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(action_space, gym.spaces.Box):
             raise ValueError(f"unsupported action space {action_space}")
         out_dim = int(action_space.n) if self.discrete else int(np.prod(action_space.shape))
-        self.critic = mlp(in_dim, hidden, 1, out_std=1.0)
-        self.actor = mlp(in_dim, hidden, out_dim, out_std=0.01)
+        self.critic = mlp(in_dim, heads_hidden, 1, out_std=1.0)
+        self.actor = mlp(in_dim, heads_hidden, out_dim, out_std=0.01)
         if not self.discrete:
             self.actor_logstd = nn.Parameter(torch.zeros(1, out_dim))
 
+    def head(self, obs: torch.Tensor) -> torch.Tensor:
+        """The actor's output: logits (Discrete) or the mean action (Box)."""
+        return self.actor(self.trunk(obs))
+
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(obs.flatten(1)).squeeze(-1)
+        return self.critic(self.trunk(obs)).squeeze(-1)
 
     def distribution(self, obs: torch.Tensor):
-        out = self.actor(obs.flatten(1))
+        out = self.head(obs)
         if self.discrete:
             return Categorical(logits=out)
         return Normal(out, self.actor_logstd.expand_as(out).exp())
@@ -96,9 +142,9 @@ class ActorCritic(nn.Module):
         The same distribution as :meth:`get_action_and_value`, without building
         ``torch.distributions`` objects, which cost more than the network on a rollout step.
         """
-        flat = obs.flatten(1)
-        out = self.actor(flat)
-        value = self.critic(flat).squeeze(-1)
+        features = self.trunk(obs)
+        out = self.actor(features)
+        value = self.critic(features).squeeze(-1)
         if self.discrete:
             log_probs = torch.log_softmax(out, dim=-1)
             action = torch.multinomial(log_probs.exp(), 1).squeeze(1)
@@ -113,11 +159,11 @@ class ActorCritic(nn.Module):
         """Sample (or score a given) action: returns action, log-prob, entropy, value."""
         if self.discrete and action is not None:
             # The PPO update's hot path: categorical log-prob and entropy straight from logits.
-            flat = obs.flatten(1)
-            log_probs = torch.log_softmax(self.actor(flat), dim=-1)
+            features = self.trunk(obs)
+            log_probs = torch.log_softmax(self.actor(features), dim=-1)
             logprob = log_probs.gather(1, action.long().unsqueeze(1)).squeeze(1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-            return action, logprob, entropy, self.critic(flat).squeeze(-1)
+            return action, logprob, entropy, self.critic(features).squeeze(-1)
         dist = self.distribution(obs)
         if action is None:
             action = dist.sample()
@@ -129,7 +175,7 @@ class ActorCritic(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """An MLP from observation to one Q-value per discrete action."""
+    """One Q-value per discrete action: an MLP, or for images a Nature CNN and a linear head."""
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
                  hidden: tuple[int, ...] = (128, 128)):
@@ -138,10 +184,12 @@ class QNetwork(nn.Module):
             raise ValueError(f"DQN needs a Discrete action space, not {action_space}")
         self.spec = {"class": "QNetwork", "observation_space": space_spec(observation_space),
                      "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "relu"}
-        self.net = mlp(obs_dim(observation_space), hidden, int(action_space.n), out_std=1.0, activation=nn.ReLU)
+        self.trunk, in_dim = encoder(observation_space)
+        hidden = () if is_image(observation_space) else tuple(hidden)
+        self.net = mlp(in_dim, hidden, int(action_space.n), out_std=1.0, activation=nn.ReLU)
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs.flatten(1))
+        return self.net(self.trunk(obs))
 
 
 def build_network(spec: dict) -> nn.Module:

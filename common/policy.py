@@ -41,9 +41,7 @@ class Policy(nn.Module):
         x = (obs.float() - self.obs_mean) / self.obs_std
         if self.obs_clip is not None:
             x = x.clamp(-self.obs_clip, self.obs_clip)
-        if self.spec["class"] == "QNetwork":
-            return self.network(x)
-        return self.network.actor(x.flatten(1))
+        return self.network(x) if self.spec["class"] == "QNetwork" else self.network.head(x)
 
     @torch.no_grad()
     def act(self, obs: np.ndarray, action_mask: np.ndarray | None = None) -> np.ndarray:

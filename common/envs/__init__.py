@@ -18,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
+from common.envs import atari
 from common.envs.cartpole_vector import CartPoleSameStepVectorEnv
 from common.envs.registry import register_builtin_envs
 
@@ -34,7 +35,7 @@ def make_env(env_id: str, seed: int, env_index: int = 0, wrap: Callable[[gym.Env
     """A thunk creating one environment seeded with ``seed + env_index`` (and wrapped by ``wrap``)."""
 
     def thunk() -> gym.Env:
-        env = gym.make(env_id, **env_kwargs)
+        env = atari.make_single(env_id, **env_kwargs) if atari.is_atari(env_id) else gym.make(env_id, **env_kwargs)
         if wrap is not None:
             env = wrap(env)
         env.action_space.seed(seed + env_index)
@@ -145,9 +146,13 @@ def make_vec_env(env_id: str, num_envs: int, seed: int, first_index: int = 0,
     ``wrap`` of each copy is asked for), else a synchronous loop over ``gym.make`` copies in
     this process.
     """
+    if atari.is_atari(env_id):
+        atari.register()
     spec = gym.spec(env_id)
     vectorize = vectorize and wrap is None
-    if vectorize and env_id in FAST_VECTOR_ENVS:
+    if vectorize and atari.is_atari(env_id):
+        env = atari.make_vector(env_id, num_envs, **env_kwargs)
+    elif vectorize and env_id in FAST_VECTOR_ENVS:
         env = FAST_VECTOR_ENVS[env_id](num_envs=num_envs, **env_kwargs)
     elif vectorize and spec.vector_entry_point is not None and _is_same_step(spec):
         env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **env_kwargs)
