@@ -15,6 +15,8 @@ BUILTIN_ENVS: dict[str, dict] = {
                        "vector_entry_point": "common.envs.connect_four:ConnectFourVectorEnv"},
     "GridCoverage-v0": {"entry_point": "common.envs.grid_coverage:GridCoverageEnv",
                         "vector_entry_point": "common.envs.grid_coverage:GridCoverageVectorEnv"},
+    "Catch-v0": {"entry_point": "common.envs.catch:CatchEnv", "vector_entry_point": "common.envs.catch:CatchVectorEnv",
+                 "reward_threshold": 0.9},
 }
 
 
@@ -35,6 +37,8 @@ def builtin_scores(env_id: str) -> dict:
     if env_id == "ConnectFour-v0":
         return {f"win_rate_vs_{name}": ({"opponent": name}, lambda eps: _mean(e["result"] == 1 for e in eps))
                 for name in ("random", "heuristic")}
+    if env_id == "Catch-v0":
+        return {"catch_rate": ({}, lambda eps: _mean(e["caught"] for e in eps))}
     if env_id == "GridCoverage-v0":
         return {"mean_coverage": ({}, lambda eps: _mean(e["coverage"] for e in eps))}
     if env_id == "Market-v0":  # the reward is the change of net worth in % of the initial cash
