@@ -19,14 +19,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import yaml
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-
-from common.runlog import CORE_COLUMNS, read_metrics  # noqa: E402
+from common.runlog import CORE_COLUMNS, read_metrics
 
 EXIT_USAGE = 2
 
@@ -170,6 +166,11 @@ def format_table(all_stats: list[dict]) -> str:
 
 
 def plot(runs: list[Run], path: Path, threshold: float | None) -> None:
+    import matplotlib  # here, not at the top: --help and the table need no plotting library
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (ax_time, ax_steps), (ax_sps, ax_res) = axes
     ax_mem = ax_res.twinx()
