@@ -1,16 +1,21 @@
-"""Inspect this machine, recommend a training mode, and run it.
+"""Inspect this machine, recommend a training mode with settings that fit it, and run it.
 
-    python launch_parallel_training.py --check-only        # dependencies, system, recommendation
-    python launch_parallel_training.py --check-only --json # the same as one JSON object
+    python launch_parallel_training.py --check-only        # dependencies, machine, recommendation, memory plan
+    python launch_parallel_training.py --json              # the same as one JSON object; starts nothing
     python launch_parallel_training.py                     # run the recommended mode (about 10 minutes)
     python launch_parallel_training.py --mode dqn --episodes 5000 --seed 3
     python launch_parallel_training.py --mode timed --dry-run --duration 1
+    python launch_parallel_training.py --assume-facts configs/machines/workstation_128core_1gpu.json --check-only
     python launch_parallel_training.py --tune [--run]      # measure worker counts instead of guessing
 
+Every machine fact (cores, RAM, /dev/shm, GPUs, open-files limit) comes from
+``common.system.machine()``; ``--assume-facts FILE.json`` replaces some of them, for the launcher
+and for the script it starts, so the advice for another machine can be read (and tested) here.
 Every flag the launcher does not know passes through untouched to the chosen script. The
-launcher then replaces itself with the script (``os.execv``), so Ctrl+C, SIGTERM and the
-exit status are the script's own. This file imports only the standard library at start,
-so it can report missing packages instead of crashing on them.
+launcher then replaces itself with the script (``os.execv``), so Ctrl+C, SIGTERM and the exit
+status are the script's own. It imports only the standard library and ``common.system`` (no
+torch: the torch build is read from package metadata), so it answers at once and can report
+missing packages instead of crashing on them.
 """
 
 from __future__ import annotations
@@ -20,11 +25,8 @@ import importlib.metadata
 import importlib.util
 import json
 import math
-import multiprocessing
 import os
 import re
-import resource
-import shutil
 import socket
 import subprocess
 import sys
@@ -33,12 +35,28 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from common import system
+from common.config import ConfigError
+
 ROOT = Path(__file__).resolve().parent
 EXIT_MISSING = 1
 EXIT_USAGE = 2
-GiB = 2**30
+MiB, GiB = 2**20, 2**30
 DEFAULT_DURATION_H = 0.16  # the no-argument run: about 10 minutes
 TUNE_CACHE = Path(os.environ.get("PRL_TUNE_CACHE", Path.home() / ".cache" / "parallel-rl" / "tune.json"))
+
+# What the memory plan counts on (measured on the 2-core development machine, rounded up).
+WORKER_RSS = 256 * MiB  # one worker process: interpreter, numpy, torch, its envs (226-230 MiB PSS measured)
+MAIN_RSS = 512 * MiB  # the coordinator / learner process, with logs and TensorBoard
+CUDA_HOST_RSS = 512 * MiB  # host memory a CUDA context adds to a process
+POPULATION_VRAM = 1 * GiB  # GPU memory of one population worker: CUDA context, small nets, PPO batches
+GPU_MEMORY_SHARE = 0.85  # plan to use at most this share of a GPU's memory
+RAM_SHARE = system.RAM_HEADROOM  # and of the RAM available now (shared memory counts as RAM too)
+SHM_SHARE = 0.9  # and of /dev/shm's free space
+FDS_BASE = 128  # open files of a run before its workers (logs, TensorBoard, shared-memory segments)
+FDS_PER_WORKER = 4  # the coordinator's pipe and process sentinel per worker (3 measured)
+ULTRA_MIN_CORES = 8  # fewer, and the learner starves the asynchronous actors
+MIN_REPLAY = 10_000  # the smallest replay buffer worth running the DQN modes with
 
 
 @dataclass(frozen=True)
@@ -46,31 +64,33 @@ class Mode:
     name: str
     script: str
     default_env: str
-    episodes_flag: str | None  # the script's own episode budget flag
-    duration_flag: str = "--duration"
-    workers_flag: str = "--num-workers"
+    summary: str
+    obs_floats: int  # float32 values in one observation of default_env: the memory plan's unit
+    defaults: dict  # the script's defaults the plan relies on (tests check them against the script)
+    episodes_flag: str | None = "--total-episodes"  # the script's episode budget
     envs_flag: str | None = "--num-envs-per-worker"
-    needs_shm: bool = True  # big arrays travel through /dev/shm
-    summary: str = ""
+    workers_flag: str = "--num-workers"
+    duration_flag: str = "--duration"
 
 
 MODES = {
-    "timed": Mode("timed", "train_parallel_timed.py", "LunarLander-v3", "--total-episodes",
-                  summary="synchronous parallel PPO on a wall-clock budget"),
-    "dqn": Mode("dqn", "parallel_train_dqn.py", "ConnectFour-v0", "--total-episodes", envs_flag=None,
-                needs_shm=False, summary="central DQN learner fed by rollout processes, self-play"),
-    "ultra": Mode("ultra", "ultra_parallel_train_dqn.py", "GridCoverage-v0", "--n-episodes",
-                  workers_flag="--n-workers", envs_flag="--envs-per-worker",
-                  summary="asynchronous actors -> shared-memory replay -> mixed-precision learner"),
-    "ppo-multiprocess": Mode("ppo-multiprocess", "train_ppo_multiprocess.py", "Market-v0", None,
-                             summary="population of independent PPO agents over a shared data cache"),
+    "timed": Mode("timed", "train_parallel_timed.py", "LunarLander-v3",
+                  "synchronous parallel PPO on a wall-clock budget", 8,
+                  {"num_envs_per_worker": 8, "n_steps": 256, "device": "cpu", "torch_threads": 1}),
+    "dqn": Mode("dqn", "parallel_train_dqn.py", "ConnectFour-v0",
+                "central DQN learner fed by rollout processes, self-play", 2 * 6 * 7,
+                {"buffer_size": 100_000, "device": "cpu"}, envs_flag=None),
+    "ultra": Mode("ultra", "ultra_parallel_train_dqn.py", "GridCoverage-v0",
+                  "asynchronous actors -> shared-memory replay -> mixed-precision learner", 2 * 11 * 11,
+                  {"num_envs_per_worker": 16, "buffer_size": 200_000, "n_step": 3, "device": "auto"}),
+    "ppo-multiprocess": Mode("ppo-multiprocess", "train_ppo_multiprocess.py", "Market-v0",
+                             "population of independent PPO agents over a shared data cache", 333,
+                             {"num_envs_per_worker": 8, "num_items": 200, "history_steps": 20_000, "device": "auto"},
+                             episodes_flag=None),
 }
-ULTRA_MIN_CORES = 8
-ULTRA_REPLAY_BYTES = 200_000 * 2 * (2 * 11 * 11 + 8) * 4  # default buffer: GridCoverage egocentric obs + next_obs
-MIN_SHM_BYTES = 64 * 2**20
 
 
-# --------------------------------------------------------------------------- facts
+# --------------------------------------------------------------------------- dependencies
 
 def dependency_report() -> dict:
     """Each requirement: installed version or missing, and whether it satisfies the pin."""
@@ -89,155 +109,335 @@ def dependency_report() -> dict:
         entries.append({"package": name, "required": spec or "any", "installed": version, "ok": ok})
         if not ok:
             missing.append(name)
-    torch_build = None
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        torch_build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
     extras = [
         {"extra": "Box2D", "module": "Box2D", "enables": "LunarLander-v3, BipedalWalker-v3, CarRacing-v3"},
         {"extra": "ale-py", "module": "ale_py", "enables": "Atari ids such as ALE/Pong-v5 (pip install ale-py)"},
     ]
     for extra in extras:
         extra["installed"] = importlib.util.find_spec(extra["module"]) is not None
-    return {"packages": entries, "missing": missing, "torch_build": torch_build, "extras": extras,
+    return {"packages": entries, "missing": missing, "torch_build": torch_build(), "extras": extras,
             "install_hint": "pip install -r requirements.txt" if missing else None}
 
 
-def _satisfies(version: str, spec: str) -> bool:
-    if not spec:
-        return True
+def torch_build() -> str | None:
+    """CUDA / ROCm / CPU-only, from torch's installed files (importing torch takes seconds)."""
     try:
-        from packaging.specifiers import SpecifierSet
-
-        return SpecifierSet(spec).contains(version.split("+")[0], prereleases=True)
-    except ImportError:  # packaging is nearly always present; fall back to exact pins
-        return all(version.split("+")[0] == s.strip()[2:] for s in spec.split(",") if s.strip().startswith("=="))
-
-
-def system_facts() -> dict:
+        dist = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
     try:
-        import psutil
-
-        physical = psutil.cpu_count(logical=False) or os.cpu_count()
-        vm = psutil.virtual_memory()
-        ram_total, ram_available = vm.total, vm.available
-    except ImportError:
-        physical = os.cpu_count()
-        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        ram_total = ram_available = pages * page
-    try:
-        shm = shutil.disk_usage("/dev/shm")
-        shm_total, shm_free = shm.total, shm.free
+        text = Path(dist.locate_file("torch/version.py")).read_text()
     except OSError:
-        shm_total = shm_free = 0
-    gpus = []
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                props = torch.cuda.get_device_properties(i)
-                gpus.append({"index": i, "name": props.name, "memory_gib": round(props.total_memory / GiB, 1),
-                             "capability": f"{props.major}.{props.minor}"})
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {"physical_cores": physical, "logical_cores": os.cpu_count(), "usable_cores": usable,
-            "ram_total_gib": round(ram_total / GiB, 1), "ram_available_gib": round(ram_available / GiB, 1),
-            "gpus": gpus, "shm_total_gib": round(shm_total / GiB, 2), "shm_free_gib": round(shm_free / GiB, 2),
-            "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "start_method": "spawn (set by every script; the platform default is "
-                            f"{multiprocessing.get_start_method(allow_none=True) or 'fork'})",
-            "hostname": socket.gethostname()}
+        text = ""
+    for key, label in (("cuda", "CUDA"), ("hip", "ROCm")):
+        found = re.search(rf"^{key}\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        if found:
+            return f"{label} {found.group(1)}"
+    local = dist.version.partition("+")[2]
+    return "CPU only" if text or local == "cpu" else f"unknown ({dist.version})"
 
 
-# --------------------------------------------------------------------------- recommendation
+def _version_tuple(version: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"[.+-]", version.split("+")[0]))
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    """``==``, ``!=``, ``>=``, ``<=``, ``>``, ``<`` clauses (what requirements.txt uses), comma-joined."""
+    checks = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, ">=": lambda a, b: a >= b,
+              "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        match = re.match(r"(==|!=|>=|<=|>|<)\s*(\S+)", clause)
+        if match is None:
+            return False
+        op, wanted = match.groups()
+        if wanted.endswith(".*"):
+            if (op == "==") != version.startswith(wanted[:-1]):
+                return False
+            continue
+        try:
+            if not checks[op](_version_tuple(version), _version_tuple(wanted)):
+                return False
+        except TypeError:  # mixed letters and numbers: compare as text
+            if not checks[op](version, wanted):
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------- facts
+
+def facts_report(m: system.Machine) -> dict:
+    """The machine's facts for people and JSON (GiB rounded), with which were assumed and from where."""
+    return {"physical_cores": m.physical_cores, "logical_cores": m.logical_cores, "usable_cores": m.usable_cores,
+            "ram_total_gib": round(m.ram_total / GiB, 1), "ram_available_gib": round(m.ram_available / GiB, 1),
+            "gpus": [{"index": g.index, "name": g.name, "memory_gib": round(g.memory / GiB, 1),
+                      "capability": g.capability} for g in m.gpus],
+            "shm_total_gib": round(m.shm_total / GiB, 2), "shm_free_gib": round(m.shm_free / GiB, 2),
+            "open_files_limit": m.open_files_limit,
+            "start_method": f"{m.start_method} (set by every script; the platform default is "
+                            f"{system.platform_start_method()})",
+            "hostname": socket.gethostname(), "assumed": list(m.assumed),
+            "assumed_from": os.environ.get(system.ASSUME_ENV) if m.assumed else None}
+
+
+# --------------------------------------------------------------------------- plans
+
+@dataclass
+class Plan:
+    """How one mode would run on this machine: its flags, threads, devices and memory."""
+
+    mode: str
+    args: list[str]  # flags for the script: only what differs from its defaults
+    settings: dict  # what the run will use (the flags and the defaults the plan relies on)
+    threads: dict  # torch threads per process
+    devices: str  # where the learner(s) and workers run
+    memory: dict  # bytes: buffers, cache, per-process RSS, the total against the budget
+    reason: str = ""  # why this mode suits this machine
+    not_recommended: str | None = None  # the launcher asks for --force
+    cannot_run: str | None = None  # the launcher refuses it, --force or not
+    warnings: list[str] = field(default_factory=list)
+
+
+def fit_workers(m: system.Machine, wanted: int, per_worker: int, fixed: int, what: str = "workers",
+                per_gpu: int | None = None) -> tuple[int, list[str]]:
+    """The most workers, up to ``wanted``, whose RAM, GPU memory and open files fit; and what bounded them."""
+    limits = {"RAM": int((RAM_SHARE * m.ram_available - fixed) // per_worker),
+              "the open-files limit": (m.open_files_limit - FDS_BASE) // FDS_PER_WORKER}
+    if per_gpu and m.gpus:
+        limits["GPU memory"] = sum(int(GPU_MEMORY_SHARE * g.memory // per_gpu) for g in m.gpus)
+    count = max(0, min(wanted, *limits.values()))
+    notes = []
+    for name, limit in limits.items():
+        if limit < wanted:
+            hint = f" (ulimit -n {FDS_BASE + FDS_PER_WORKER * wanted} for {wanted})" if name.startswith("the") else ""
+            notes.append(f"{name} allows {max(0, limit)} {what}, not {wanted}{hint}")
+    return count, notes
+
+
+def memory_plan(m: system.Machine, workers: int, per_worker: int, main: int, buffers: dict[str, int],
+                shm_keys: tuple[str, ...] = ()) -> dict:
+    """Bytes of every buffer, the per-process estimates, and the totals against RAM and /dev/shm."""
+    shm = sum(buffers[k] for k in shm_keys)
+    total = main + workers * per_worker + sum(buffers.values())
+    return {**{f"{k}_bytes": v for k, v in buffers.items()}, "per_worker_rss_bytes": per_worker,
+            "main_rss_bytes": main, "total_ram_bytes": total, "ram_budget_bytes": int(RAM_SHARE * m.ram_available),
+            "shm_bytes": shm, "shm_free_bytes": m.shm_free}
+
+
+def plan_timed(m: system.Machine) -> Plan:
+    mode = MODES["timed"]
+    d = mode.defaults
+    step = 4 * mode.obs_floats + 8 + 6 * 4  # obs, action (int64), logprob/value/reward/final value/2 flags
+
+    def rollout(workers: int) -> int:
+        return d["n_steps"] * max(1, workers) * d["num_envs_per_worker"] * step
+
+    # Lockstep workers wait for the slowest, and two on one core's hyperthreads slow each other: one per core.
+    wanted = min(m.usable_cores, m.physical_cores) if m.usable_cores > 1 else 0
+    per_worker = WORKER_RSS + 2 * rollout(1)  # its share of the shared rollout and of the learner's batch
+    workers, notes = fit_workers(m, wanted, per_worker, MAIN_RSS + 2 * rollout(0))
+    by_shm = int(SHM_SHARE * m.shm_free // rollout(1))
+    if by_shm < workers:
+        notes.append(f"/dev/shm holds the rollout of {by_shm} workers, not {workers}")
+        workers = by_shm
+    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, {"rollout": rollout(workers), "batch": rollout(workers)},
+                         ("rollout",))
+    plan = Plan("timed", [mode.workers_flag, str(workers)],
+                {"num_workers": workers, "num_envs_per_worker": d["num_envs_per_worker"], "n_steps": d["n_steps"],
+                 "device": d["device"]},
+                {"per_worker": 1, "learner": d["torch_threads"]},
+                "learner and workers on the CPU (a 64-wide MLP updates fastest there)", memory,
+                warnings=notes)
+    if memory["total_ram_bytes"] > memory["ram_budget_bytes"] or memory["shm_bytes"] > m.shm_free:
+        plan.cannot_run = (f"even the sequential run needs {system.format_bytes(memory['total_ram_bytes'])} of RAM "
+                           f"and {system.format_bytes(memory['shm_bytes'])} of /dev/shm")
+    cores = (f"{m.usable_cores} cores ({m.physical_cores} physical)" if m.physical_cores < m.usable_cores
+             else f"{m.usable_cores} core{'s' * (m.usable_cores > 1)}")
+    per_core = " (one per physical core)" if workers == wanted else ""
+    who = (f"{workers} worker processes{per_core} in lockstep" if workers > 1 else
+           "1 worker process" if workers else "its envs in the main process (no worker processes)")
+    plan.reason = (f"{cores}, no GPU needed: synchronous PPO steps {who} and updates on the CPU, where a small "
+                   "network learns fastest")
+    return plan
+
+
+@dataclass
+class ReplayBudget:
+    """Workers and replay capacity of a DQN mode: the replay first (up to half the RAM budget, and in
+    /dev/shm where it lives there), then as many workers as the rest holds."""
+
+    workers: int
+    buffer: int
+    transition: int  # bytes of one transition
+    main: int  # bytes of the learner process
+    notes: list[str]
+
+    def refusal(self, what: str) -> str | None:
+        if self.workers >= 1 and self.buffer >= MIN_REPLAY:
+            return None
+        return (f"room for {self.workers} {what} and a replay of {self.buffer} transitions "
+                f"({'; '.join(self.notes)}), it needs 1 and {MIN_REPLAY} transitions")
+
+
+def replay_budget(m: system.Machine, mode: Mode, wanted: int, in_shm: bool, what: str) -> ReplayBudget:
+    default = mode.defaults["buffer_size"]
+    transition = 2 * 4 * mode.obs_floats + 48  # obs, next obs, action, reward, done, discount, priority, mask
+    main = MAIN_RSS + (CUDA_HOST_RSS if m.gpus else 0)
+    room, why = (RAM_SHARE * m.ram_available - main) / 2, "half the RAM budget"
+    if in_shm and SHM_SHARE * m.shm_free < room:
+        room, why = SHM_SHARE * m.shm_free, "/dev/shm (docker: --shm-size=8g)"
+    buffer, notes = default, []
+    if default * transition > room:
+        buffer = max(0, int(room // transition) // 1000 * 1000)
+        notes.append(f"replay buffer bounded to {buffer} transitions ({system.format_bytes(buffer * transition)}) "
+                     f"by {why}")
+    workers, limits = fit_workers(m, wanted, WORKER_RSS, main + buffer * transition, what)
+    return ReplayBudget(workers, buffer, transition, main, notes + limits)
+
+
+def idle_gpus(m: system.Machine) -> list[str]:
+    """A single learner uses one GPU; say so where there are more."""
+    if len(m.gpus) < 2:
+        return []
+    others = len(m.gpus) - 1
+    return [f"the learner uses cuda:0; {others} more GPU{'s' * (others > 1)} would stay idle "
+            "(the ppo-multiprocess population spreads its workers over all of them)"]
+
+
+def replay_flags(mode: Mode, budget: ReplayBudget, device: str | None = None) -> list[str]:
+    """The worker count; a device and a replay size only where they differ from the script's defaults."""
+    args = [mode.workers_flag, str(max(1, budget.workers))]
+    if device is not None and device != mode.defaults["device"]:
+        args += ["--device", device]
+    if budget.buffer != mode.defaults["buffer_size"]:
+        args += ["--buffer-size", str(budget.buffer)]
+    return args
+
+
+def plan_ultra(m: system.Machine) -> Plan:
+    mode = MODES["ultra"]
+    d = mode.defaults
+    gpu, cores = bool(m.gpus), m.usable_cores
+    learner_threads = 1 if gpu else max(1, min(8, cores // 4))  # a GPU learner needs one core to feed it
+    # and one core stays for the system and the bookkeeping
+    budget = replay_budget(m, mode, max(1, cores - learner_threads - 1), in_shm=True, what="actors")
+    actors, buffer = budget.workers, budget.buffer
+    burst = d["n_step"] * d["num_envs_per_worker"]  # each actor's replay share must hold one vector step's output
+    if actors and buffer // actors < burst:
+        actors = budget.workers = buffer // burst
+        budget.notes.append(f"a replay of {buffer} transitions holds {actors} actors' shares")
+    args = replay_flags(mode, budget)  # the script's device "auto" puts the learner on the GPU
+    device = "cuda:0" if gpu else "cpu"
+    memory = memory_plan(m, actors, WORKER_RSS, budget.main, {"replay": buffer * budget.transition}, ("replay",))
+    precision = ("bf16 autocast" if float(m.gpus[0].capability) >= 8.0 else "fp16 with a GradScaler") \
+        if gpu else "fp32"
+    plan = Plan("ultra", args, {"num_workers": actors, "num_envs_per_worker": d["num_envs_per_worker"],
+                                "buffer_size": buffer, "device": device,
+                                "split": f"{actors} actor processes, 1 learner ({learner_threads} thread(s))"},
+                {"per_actor": 1, "learner": learner_threads},
+                f"learner on {device} ({precision} possible, --mixed-precision); actors act on the CPU", memory,
+                warnings=budget.notes + idle_gpus(m), cannot_run=budget.refusal("actors"))
+    if plan.cannot_run is None and cores < ULTRA_MIN_CORES:
+        plan.not_recommended = (f"{cores} cores: asynchronous actors and a learner need at least {ULTRA_MIN_CORES} "
+                                "cores, or the learner starves the actors")
+    plan.reason = (f"{cores} cores{' and a GPU' if gpu else ''}: {actors} asynchronous actors keep the replay full "
+                   f"while the {'GPU' if gpu else 'CPU'} learner trains")
+    return plan
+
+
+def plan_dqn(m: system.Machine) -> Plan:
+    mode = MODES["dqn"]
+    cores = m.usable_cores
+    learner_threads = 1 if m.gpus or cores < 4 else 2
+    budget = replay_budget(m, mode, max(1, cores - learner_threads), in_shm=False, what="workers")
+    workers = budget.workers
+    device = "cuda:0" if m.gpus else mode.defaults["device"]
+    memory = memory_plan(m, workers, WORKER_RSS, budget.main, {"replay": budget.buffer * budget.transition})
+    plan = Plan("dqn", replay_flags(mode, budget, device),
+                {"num_workers": workers, "buffer_size": budget.buffer, "device": device},
+                {"per_worker": 1, "learner": learner_threads},
+                f"learner on {device}; rollout workers act on the CPU and send whole episodes", memory,
+                warnings=budget.notes + idle_gpus(m), cannot_run=budget.refusal("workers"))
+    plan.reason = (f"{cores} cores{' and a GPU' if m.gpus else ''}: {workers} rollout processes feed one "
+                   f"{'GPU' if m.gpus else 'CPU'} learner; nothing large goes through /dev/shm")
+    return plan
+
+
+def plan_population(m: system.Machine) -> Plan:
+    mode, gpus = MODES["ppo-multiprocess"], len(m.gpus)
+    d = mode.defaults
+    cache = d["num_items"] * d["history_steps"] * 2 * 4  # prices and volumes, float32, in shared memory
+    per_worker = WORKER_RSS + (CUDA_HOST_RSS if gpus else 0)
+    # One core stays for the coordinator; each worker's GPU memory counts too.
+    workers, notes = fit_workers(m, max(1, m.usable_cores - 1), per_worker, MAIN_RSS + cache, per_gpu=POPULATION_VRAM)
+    threads = max(1, m.usable_cores // max(1, workers))
+    if gpus:
+        devices = (f"round robin over {gpus} GPUs: worker i on cuda:(i mod {gpus}), "
+                   f"{math.ceil(max(1, workers) / gpus)} per GPU" if gpus > 1 else "every worker on cuda:0")
+    else:
+        devices = "every worker on the CPU"
+    memory = memory_plan(m, workers, per_worker, MAIN_RSS, {"cache": cache}, ("cache",))
+    plan = Plan("ppo-multiprocess", [mode.workers_flag, str(max(1, workers))],
+                {"num_workers": workers, "num_envs_per_worker": d["num_envs_per_worker"],
+                 "device": "cuda" if gpus else "cpu"},  # what the script's device "auto" picks
+                {"per_worker": threads}, devices, memory, warnings=notes)
+    if workers < 1:
+        plan.cannot_run = "not enough RAM or GPU memory for one worker"
+    elif cache > SHM_SHARE * m.shm_free:
+        plan.cannot_run = (f"the market cache needs {system.format_bytes(cache)} of /dev/shm, "
+                           f"{system.format_bytes(m.shm_free)} free (docker: --shm-size=8g)")
+    plan.reason = (f"{gpus} GPUs: a population of {workers} independent agents, spread round robin, keeps every "
+                   "GPU busy" if gpus > 1 else f"a population of {workers} independent agents, one per core")
+    return plan
+
+
+PLANNERS = {"timed": plan_timed, "dqn": plan_dqn, "ultra": plan_ultra, "ppo-multiprocess": plan_population}
+
 
 @dataclass
 class Recommendation:
     mode: str
-    args: list[str]
-    reason: str
-    settings: dict
-    refused: dict[str, str] = field(default_factory=dict)  # mode -> why it is not recommended here
-    warnings: list[str] = field(default_factory=list)
+    plan: Plan
+    plans: dict[str, Plan]  # every mode's plan on this machine
+    refused: dict[str, str]  # mode -> why it does not run (or is not recommended) here
+    warnings: list[str]
 
 
-def recommend(facts: dict) -> Recommendation:
-    """Pick a mode and its settings from cores, RAM, GPUs and /dev/shm. A pure function."""
-    cores = facts["usable_cores"]
-    gpus = facts["gpus"]
-    shm_free = facts["shm_free_gib"] * GiB
-    ram_gib = facts["ram_available_gib"]
-    warnings, refused = [], {}
-    if cores < ULTRA_MIN_CORES:
-        refused["ultra"] = (f"{cores} cores: asynchronous actors and a learner need at least {ULTRA_MIN_CORES} "
-                            "cores, or the learner starves the actors")
-    if shm_free < ULTRA_REPLAY_BYTES:
-        refused.setdefault("ultra", f"/dev/shm has {shm_free / 2**20:.0f} MiB free, less than the default "
-                                    f"replay buffer ({ULTRA_REPLAY_BYTES / 2**20:.0f} MiB)")
-        warnings.append(f"/dev/shm has only {shm_free / 2**20:.0f} MiB free: too small for the ultra mode's "
-                        "default replay buffer (docker: --shm-size=8g)")
-    if shm_free < MIN_SHM_BYTES:
-        for name, mode in MODES.items():
-            if mode.needs_shm:
-                refused.setdefault(name, f"/dev/shm has {shm_free / 2**20:.0f} MiB free; this mode shares "
-                                         "its arrays through it")
+def recommend(m: system.Machine) -> Recommendation:
+    """Pick a mode and its settings from the machine's facts. A pure function of ``m``."""
+    plans = {name: planner(m) for name, planner in PLANNERS.items()}
+    refused = {name: p.cannot_run or p.not_recommended for name, p in plans.items()
+               if p.cannot_run or p.not_recommended}
+    gpus = len(m.gpus)
+    if gpus >= 2 and "ppo-multiprocess" not in refused:
+        choice = "ppo-multiprocess"
+    elif gpus and "ultra" not in refused:
+        choice = "ultra"
+    elif gpus or "timed" in refused:
+        choice = "dqn"
+        if not gpus:
+            plans["dqn"].reason = "/dev/shm or RAM is too small for the shared-memory rollout; " + plans["dqn"].reason
+    else:
+        choice = "timed"
+    warnings = list(plans[choice].warnings)
     if not gpus:
         warnings.append("no CUDA GPU: learners run on the CPU (the ultra mode prefers a GPU)")
-    workers = max(1, cores - 2)
-    if facts["open_files_limit"] < 64 * workers:
-        warnings.append(f"open-files limit {facts['open_files_limit']} is low for {workers} workers "
-                        f"(ulimit -n {max(4096, 64 * workers)})")
-
-    if "timed" in refused:  # tiny /dev/shm: only the queue-based central learner works
-        return Recommendation("dqn", ["--num-workers", str(workers), "--device", "cuda" if gpus else "cpu"],
-                              "/dev/shm is too small for shared-memory modes; the central DQN learner passes "
-                              "episodes through queues", {"num_workers": workers}, refused, warnings)
-    if len(gpus) >= 2:
-        pop = max(len(gpus), min(cores - 1, 4 * len(gpus)))
-        return Recommendation("ppo-multiprocess", ["--num-workers", str(pop), "--device", "cuda",
-                                                   "--gpu-strategy", "round-robin"],
-                              f"{len(gpus)} GPUs: a population of {pop} independent agents, spread round-robin, "
-                              "keeps every GPU busy", {"num_workers": pop, "device": "round-robin over GPUs"},
-                              refused, warnings)
-    if gpus and "ultra" not in refused:
-        actors = max(1, cores - 2)
-        envs = 32 if ram_gib >= 16 else 16
-        return Recommendation("ultra", ["--n-workers", str(actors), "--envs-per-worker", str(envs),
-                                        "--batch-size", "1024", "--device", "cuda:0"],
-                              f"{cores} cores and a GPU: {actors} asynchronous actors keep the replay full while "
-                              "the GPU learner trains with mixed precision",
-                              {"n_workers": actors, "envs_per_worker": envs, "batch_size": 1024, "device": "cuda:0"},
-                              refused, warnings)
-    if gpus:
-        return Recommendation("dqn", ["--num-workers", str(workers), "--device", "cuda:0", "--batch-size", "256"],
-                              f"{cores} cores and a GPU: too few cores for asynchronous actors, so rollout "
-                              "processes feed one GPU learner",
-                              {"num_workers": workers, "device": "cuda:0", "batch_size": 256}, refused, warnings)
-    sync_workers = max(1, cores)
-    envs = 8
-    batch = 256  # the script's tuned minibatch; it divides every rollout of 8 envs x 256 steps
-    why = ("few cores and no GPU: synchronous PPO" if cores < 8 else f"{cores} cores and no GPU: synchronous PPO")
-    return Recommendation("timed", ["--num-workers", str(sync_workers), "--num-envs-per-worker", str(envs),
-                                    "--batch-size", str(batch), "--device", "cpu"],
-                          f"{why} steps {sync_workers} worker processes in lockstep and updates on the CPU, "
-                          "where a small network learns fastest",
-                          {"num_workers": sync_workers, "num_envs_per_worker": envs, "batch_size": batch,
-                           "device": "cpu"}, refused, warnings)
+    return Recommendation(choice, plans[choice], plans, refused, warnings)
 
 
 # --------------------------------------------------------------------------- report
 
-def build_report() -> dict:
+def build_report(m: system.Machine, mode: str | None = None, env_id: str | None = None) -> dict:
+    """Dependencies, facts, the recommendation, every mode's plan, and the mode selected (``mode`` or
+    the recommended one) with its ``--tune`` measurement for ``env_id`` if there is one."""
     deps = dependency_report()
-    facts = system_facts()
-    rec = recommend(facts)
-    cached = tuned_choice(facts, rec.mode, MODES[rec.mode].default_env)
-    return {"dependencies": deps, "system": facts, "recommendation": asdict(rec), "tuned": cached,
-            "ready": not deps["missing"]}
+    facts = facts_report(m)
+    rec = recommend(m)
+    chosen = mode or rec.mode
+    return {"dependencies": deps, "system": facts, "recommendation": {"mode": rec.mode, **asdict(rec.plan),
+                                                                      "refused": rec.refused,
+                                                                      "warnings": rec.warnings},
+            "plans": {name: asdict(p) for name, p in rec.plans.items()}, "selected": chosen,
+            "tuned": tuned_choice(facts, chosen, env_id or MODES[chosen].default_env), "ready": not deps["missing"]}
 
 
 def print_report(report: dict) -> None:
@@ -252,30 +452,63 @@ def print_report(report: dict) -> None:
               f"-> {extra['enables']}")
     if deps["missing"]:
         print(f"  missing or wrong version: {', '.join(deps['missing'])} -> {deps['install_hint']}")
-    print("\nSystem")
-    print(f"  cores: {facts['physical_cores']} physical, {facts['logical_cores']} logical "
-          f"({facts['usable_cores']} usable by this process)")
-    print(f"  RAM: {facts['ram_total_gib']} GiB total, {facts['ram_available_gib']} GiB available")
-    if facts["gpus"]:
-        for gpu in facts["gpus"]:
-            print(f"  GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB, compute capability "
-                  f"{gpu['capability']}")
-    else:
-        print("  GPUs: none")
-    print(f"  /dev/shm: {facts['shm_total_gib']} GiB, {facts['shm_free_gib']} GiB free")
-    print(f"  open-files limit: {facts['open_files_limit']}")
-    print(f"  start method: {facts['start_method']}")
+    print_system(facts)
     for warning in rec["warnings"]:
         print(f"  warning: {warning}")
     print("\nRecommendation")
     print(f"  mode: {rec['mode']} ({MODES[rec['mode']].script}: {MODES[rec['mode']].summary})")
-    print(f"  settings: {', '.join(f'{k}={v}' for k, v in rec['settings'].items())}")
     print(f"  why: {rec['reason']}")
+    selected = report["selected"]
+    if selected != rec["mode"]:
+        print(f"\nSelected with --mode: {selected} ({MODES[selected].script})")
+    print_plan(report["plans"][selected])
     if report["tuned"]:
         print(f"  measured by --tune: {report['tuned']['args']} ({report['tuned']['sps']:.0f} steps/s), "
               "used instead of the guess")
-    for mode, why in rec["refused"].items():
-        print(f"  not recommended here: {mode} ({why})")
+    print("\nOther modes on this machine")
+    for name, plan in report["plans"].items():
+        if name != selected:
+            state = (f"cannot run: {plan['cannot_run']}" if plan["cannot_run"] else
+                     f"not recommended: {plan['not_recommended']}" if plan["not_recommended"] else
+                     f"would run with {' '.join(plan['args'])}")
+            print(f"  {name:<17} {state}")
+
+
+def print_system(facts: dict) -> None:
+    print("\nSystem")
+    if facts["assumed"]:
+        print(f"  assumed (from {facts['assumed_from']}): {', '.join(facts['assumed'])}; the rest is measured")
+    print(f"  cores: {facts['physical_cores']} physical, {facts['logical_cores']} logical "
+          f"({facts['usable_cores']} usable by this process)")
+    print(f"  RAM: {facts['ram_total_gib']} GiB total, {facts['ram_available_gib']} GiB available")
+    for gpu in facts["gpus"]:
+        print(f"  GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB, compute capability {gpu['capability']}")
+    if not facts["gpus"]:
+        print("  GPUs: none")
+    print(f"  /dev/shm: {facts['shm_total_gib']} GiB, {facts['shm_free_gib']} GiB free")
+    print(f"  open-files limit: {facts['open_files_limit']}")
+    print(f"  start method: {facts['start_method']}")
+
+
+def print_plan(plan: dict) -> None:
+    fmt = system.format_bytes
+    print(f"  flags: {' '.join(plan['args']) or '(the script defaults)'}")
+    print(f"  settings: {', '.join(f'{k}={v}' for k, v in plan['settings'].items())}")
+    print(f"  threads: {', '.join(f'{k} {v}' for k, v in plan['threads'].items())}")
+    print(f"  devices: {plan['devices']}")
+    mem = plan["memory"]
+    buffers = [f"{k[:-6]} {fmt(v)}" for k, v in mem.items()
+               if k.endswith("_bytes") and k[:-6] in ("rollout", "batch", "replay", "cache")]
+    print(f"  memory plan: {', '.join(buffers)}; per worker ~{fmt(mem['per_worker_rss_bytes'])} RSS, "
+          f"main ~{fmt(mem['main_rss_bytes'])}; total ~{fmt(mem['total_ram_bytes'])} of a "
+          f"{fmt(mem['ram_budget_bytes'])} RAM budget; /dev/shm {fmt(mem['shm_bytes'])} of "
+          f"{fmt(mem['shm_free_bytes'])} free")
+    for warning in plan["warnings"]:
+        print(f"  note: {warning}")
+    if plan["cannot_run"]:
+        print(f"  cannot run here: {plan['cannot_run']}")
+    elif plan["not_recommended"]:
+        print(f"  not recommended here: {plan['not_recommended']}")
 
 
 # --------------------------------------------------------------------------- tuning
@@ -285,6 +518,8 @@ def _cache_key(facts: dict, mode: str, env_id: str) -> str:
 
 
 def tuned_choice(facts: dict, mode: str, env_id: str) -> dict | None:
+    if facts["assumed"]:  # measured on this machine, not on the one assumed
+        return None
     try:
         return json.loads(TUNE_CACHE.read_text()).get(_cache_key(facts, mode, env_id))
     except (OSError, ValueError):
@@ -331,33 +566,44 @@ def _trial(mode: Mode, env_id: str, args: list[str], seconds: float) -> float:
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
         except subprocess.TimeoutExpired:
             return math.nan
-        return _steps_per_second(Path(tmp) / "metrics.csv")
+        return _steps_per_second(Path(tmp))
 
 
-def _steps_per_second(metrics: Path) -> float:
-    """Steps/s between the first and last metrics rows (start-up excluded); every mode has these columns."""
+def _steps_per_second(run_dir: Path) -> float:
+    """Steps/s between the first and last metrics rows (start-up excluded; every mode has these columns),
+    or, in a trial too short for two rows, the summary's steps/s of the whole run."""
     import csv
 
     try:
-        with open(metrics, newline="") as f:
+        with open(run_dir / "metrics.csv", newline="") as f:
             rows = [r for r in csv.DictReader(f) if r.get("global_step") and r.get("wall_time")]
     except OSError:
+        rows = []
+    if len(rows) >= 2:
+        first, last = rows[0], rows[-1]
+        seconds = float(last["wall_time"]) - float(first["wall_time"])
+        if seconds > 0:
+            return (float(last["global_step"]) - float(first["global_step"])) / seconds
+    try:
+        sps = json.loads((run_dir / "summary.json").read_text()).get("sps")
+    except (OSError, ValueError):
         return math.nan
-    if len(rows) < 2:
-        return math.nan
-    first, last = rows[0], rows[-1]
-    seconds = float(last["wall_time"]) - float(first["wall_time"])
-    return (float(last["global_step"]) - float(first["global_step"])) / seconds if seconds > 0 else math.nan
+    return float(sps) if sps else math.nan
 
 
 # --------------------------------------------------------------------------- command line
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--check-only", action="store_true", help="report dependencies, system and recommendation")
-    parser.add_argument("--json", action="store_true", help="with --check-only: print the report as JSON")
+    parser.add_argument("--check-only", action="store_true",
+                        help="report dependencies, machine, recommendation and memory plan; start nothing")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report, and the command it would run, as JSON; start nothing")
     parser.add_argument("--mode", help=f"run this mode instead of the recommended one: {', '.join(MODES)}")
     parser.add_argument("--force", action="store_true", help="run a mode the check does not recommend here")
+    parser.add_argument("--assume-facts", metavar="FILE.json",
+                        help="take these machine facts instead of measured ones, for the launcher and the script "
+                             "(sets PRL_ASSUME_FACTS; see configs/machines/)")
     parser.add_argument("--episodes", type=int, help="episode budget, translated into the script's own flag")
     parser.add_argument("--duration", type=float, help="hours of wall time, passed to the script")
     parser.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
@@ -379,17 +625,14 @@ def has_flag(args: list[str], *flags: str) -> bool:
 
 def build_command(mode: Mode, rec_args: list[str], opts: argparse.Namespace, passthrough: list[str],
                   run_dir: Path | None) -> list[str]:
-    """The script's command line: recommended settings, translated budgets, then the user's flags."""
+    """The script's command line: the plan's flags, translated budgets, then the user's flags."""
     command = [sys.executable, str(ROOT / mode.script)]
     user_flags = {a.split("=", 1)[0] for a in passthrough if a.startswith("--")}
-    i = 0
-    while i < len(rec_args):  # the user's own flags win over the recommendation
-        flag, value = rec_args[i], rec_args[i + 1]
+    for flag, value in zip(rec_args[::2], rec_args[1::2]):  # the user's own flags win over the plan
         if flag not in user_flags:
             command += [flag, value]
-        i += 2
     if opts.episodes is not None:
-        command += translate_episodes(mode, opts.episodes, passthrough)
+        command += translate_episodes(mode, opts.episodes, command[2:] + passthrough)
     if opts.duration is not None:
         command += [mode.duration_flag, str(opts.duration)]
     elif opts.episodes is None and not has_flag(passthrough, mode.duration_flag):
@@ -399,12 +642,13 @@ def build_command(mode: Mode, rec_args: list[str], opts: argparse.Namespace, pas
     return command + passthrough
 
 
-def translate_episodes(mode: Mode, episodes: int, passthrough: list[str]) -> list[str]:
+def translate_episodes(mode: Mode, episodes: int, args: list[str]) -> list[str]:
+    """``--episodes N`` in the script's own terms (``args``: the flags it gets, the user's last)."""
     if mode.episodes_flag:
         return [mode.episodes_flag, str(episodes)]
     # The population trains fixed-length Market episodes per worker: convert to steps per worker.
-    episode_length = int(_flag_value(passthrough, "--episode-length") or 256)
-    workers = int(_flag_value(passthrough, "--num-workers") or 4)
+    episode_length = int(_flag_value(args, "--episode-length") or 256)
+    workers = int(_flag_value(args, "--num-workers") or 4)
     return ["--max-steps-per-worker", str(math.ceil(episodes / workers) * episode_length)]
 
 
@@ -416,66 +660,111 @@ def merge_flags(base: list[str], overrides: list[str]) -> list[str]:
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
+    """The value of the last ``flag`` in ``args`` (the one argparse keeps), or None."""
+    for i in range(len(args) - 1, -1, -1):
+        if args[i] == flag and i + 1 < len(args):
             return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
+        if args[i].startswith(flag + "="):
+            return args[i].split("=", 1)[1]
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts, passthrough = parse_args(sys.argv[1:] if argv is None else argv)
+def load_machine(opts: argparse.Namespace) -> system.Machine:
+    """The facts, with ``--assume-facts`` applied (and exported, so the script sees them too)."""
+    if opts.assume_facts:
+        path = Path(opts.assume_facts)
+        if not path.is_file():
+            _usage_error(f"--assume-facts {opts.assume_facts!r}: no such file")
+        os.environ[system.ASSUME_ENV] = str(path.resolve())
+        system.forget_machine()
+    try:
+        return system.machine()
+    except ConfigError as err:
+        _usage_error(str(err))
+
+
+def check_usage(opts: argparse.Namespace) -> None:
     if opts.episodes is not None and opts.episodes <= 0:
         _usage_error(f"--episodes {opts.episodes}: must be > 0")
     if opts.duration is not None and opts.duration <= 0:
         _usage_error(f"--duration {opts.duration}: must be > 0")
     if opts.mode is not None and opts.mode not in MODES:
         _usage_error(f"--mode {opts.mode!r}: must be one of {', '.join(MODES)}")
+    if opts.tune and (opts.assume_facts or os.environ.get(system.ASSUME_ENV)):
+        _usage_error("--tune measures this machine; it cannot run with assumed facts")
 
-    report = build_report()
-    if opts.check_only:
-        print(json.dumps(report, indent=2)) if opts.json else print_report(report)
-        return 0 if report["ready"] else EXIT_MISSING
+
+def refusal(plan: dict, force: bool) -> str | None:
+    """Why the launcher will not start this plan, or None."""
+    if plan["cannot_run"]:
+        return f"mode {plan['mode']} cannot run on this machine: {plan['cannot_run']}"
+    if plan["not_recommended"] and not force:
+        return (f"mode {plan['mode']} is not recommended on this machine: {plan['not_recommended']} "
+                "(add --force to run it anyway)")
+    return None
+
+
+def plan_command(report: dict, opts: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], Path | None]:
+    """The command for the selected mode's plan (a measured ``--tune`` setting replacing the guess)."""
+    mode = MODES[report["selected"]]
+    rec_args = report["plans"][mode.name]["args"]
+    if report["tuned"]:
+        rec_args = merge_flags(rec_args, report["tuned"]["args"])
+    run_dir = None
+    if not has_flag(passthrough, "--output-dir") and not has_flag(passthrough, "--resume"):
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        seed = _flag_value(passthrough, "--seed") or "1"
+        env_id = _flag_value(passthrough, "--env-id") or mode.default_env
+        run_dir = Path("runs") / Path(mode.script).stem / f"{env_id.replace('/', '_')}__{seed}__{stamp}"
+    # A flag the script does not know is left for the script's own parser to refuse (exit 2),
+    # before it starts anything.
+    return build_command(mode, rec_args, opts, passthrough, run_dir), run_dir
+
+
+def shell_line(command: list[str]) -> str:
+    """The command as one shell line, with the assumed facts it depends on."""
+    assume = os.environ.get(system.ASSUME_ENV)
+    prefix = [f"{system.ASSUME_ENV}={_quote(assume)}"] if assume else []
+    return " ".join(prefix + [_quote(c) for c in command])
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, passthrough = parse_args(sys.argv[1:] if argv is None else argv)
+    check_usage(opts)
+    report = build_report(load_machine(opts), opts.mode, _flag_value(passthrough, "--env-id"))
+    mode = MODES[report["selected"]]
+    refused = refusal(report["plans"][mode.name], opts.force)
+    if opts.check_only or opts.json:
+        if opts.json:
+            command = None if refused else plan_command(report, opts, passthrough)[0]
+            print(json.dumps({**report, "command": command, "refused": refused}, indent=2))
+        else:
+            print_report(report)
+        return EXIT_MISSING if not report["ready"] else EXIT_USAGE if refused and opts.mode else 0
     if not report["ready"]:
         missing = report["dependencies"]["missing"]
         print(f"error: missing required packages: {', '.join(missing)} (pip install -r requirements.txt)",
               file=sys.stderr)
         return EXIT_MISSING
-
-    rec = report["recommendation"]
-    mode = MODES[opts.mode or rec["mode"]]
-    if mode.name in rec["refused"] and not opts.force:
-        print(f"error: mode {mode.name} is not recommended on this machine: {rec['refused'][mode.name]} "
-              "(add --force to run it anyway)", file=sys.stderr)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return EXIT_USAGE
-    rec_args = rec["args"] if mode.name == rec["mode"] else []
-    env_id = _flag_value(passthrough, "--env-id") or mode.default_env
     if opts.tune:
+        env_id = _flag_value(passthrough, "--env-id") or mode.default_env
         best = tune(mode, env_id, report["system"], passthrough, opts.trial_seconds)
         if not opts.run:
             return 0
-        rec_args = best["args"]
-    else:
-        cached = tuned_choice(report["system"], mode.name, env_id)
-        if cached:
-            rec_args = merge_flags(rec_args, cached["args"])
-            print(f"using the tuned setting {' '.join(cached['args'])} ({cached['sps']:.0f} steps/s measured "
-                  f"{cached['measured']})")
-
-    run_dir = None
-    if not has_flag(passthrough, "--output-dir") and not has_flag(passthrough, "--resume"):
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        seed = _flag_value(passthrough, "--seed") or "1"
-        run_dir = Path("runs") / Path(mode.script).stem / f"{env_id.replace('/', '_')}__{seed}__{stamp}"
-    # A flag the script does not know is left for the script's own parser to refuse (exit 2),
-    # before it starts anything.
-    command = build_command(mode, rec_args, opts, passthrough, run_dir)
+        report["tuned"] = best
+    elif report["tuned"]:
+        cached = report["tuned"]
+        print(f"using the tuned setting {' '.join(cached['args'])} ({cached['sps']:.0f} steps/s measured "
+              f"{cached['measured']})")
+    command, run_dir = plan_command(report, opts, passthrough)
     if opts.dry_run:
-        print(" ".join(_quote(c) for c in command))
+        print(shell_line(command))
         return 0
     print(f"mode {mode.name}: {mode.summary}" + (f"; results in {run_dir}" if run_dir else ""), flush=True)
-    print(" ".join(_quote(c) for c in command), flush=True)
+    print(shell_line(command), flush=True)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     os.execv(sys.executable, command)
     return 0  # not reached

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -40,6 +41,7 @@ def fail(message: str) -> typing.NoReturn:
     sys.exit(EXIT_BAD_CONFIG)
 
 
+@functools.cache  # parsing a class's source costs ~30 ms; once per class is enough
 def _field_comments(cls: type) -> dict[str, str]:
     """Map field name -> the trailing ``# comment`` on its line in the class source."""
     comments: dict[str, str] = {}
@@ -138,9 +140,10 @@ def _build_parser(groups: dict[str, type], description: str | None) -> argparse.
                              "(0 if it would run, 2 if not); nothing is written")
     for group_name, cls in groups.items():
         comments = _field_comments(cls)
+        hints = typing.get_type_hints(cls)  # once per class: it evaluates every annotation
         group = parser.add_argument_group(group_name or "settings")
         for field in dataclasses.fields(cls):
-            tp, _ = _unwrap_optional(typing.get_type_hints(cls)[field.name])
+            tp, _ = _unwrap_optional(hints[field.name])
             default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
             kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
                                       "help": f"{comments.get(field.name, '')} (default: {default})"}

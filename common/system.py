@@ -19,6 +19,8 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -108,6 +110,8 @@ def with_facts(base: Machine, facts: dict) -> Machine:
     known = {f.name for f in fields(Machine)} - {"assumed"}
     changes: dict = {}
     for key, value in facts.items():
+        if key.startswith("_"):  # "_comment": what machine a facts file describes
+            continue
         name = key[:-4] if key.endswith("_gib") else key
         if name not in known:
             raise ConfigError("assume_facts", key, f"unknown fact; known: {', '.join(sorted(known))}")
@@ -156,6 +160,19 @@ def forget_machine() -> None:
     """Measure again on the next call (after the environment or the machine changed)."""
     global _cached
     _cached = None
+
+
+@contextmanager
+def assumed_machine(facts: Machine | dict) -> Iterator[Machine]:
+    """Within the block, :func:`machine` answers ``facts``: a Machine, or a dict of facts applied
+    over the measured ones as ``PRL_ASSUME_FACTS`` would be (for tests and planning tools)."""
+    global _cached
+    previous = _cached
+    _cached = facts if isinstance(facts, Machine) else with_facts(measure(), facts)
+    try:
+        yield _cached
+    finally:
+        _cached = previous
 
 
 def usable_cores() -> int:
