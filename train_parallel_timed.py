@@ -90,48 +90,9 @@ class Config(RunConfig):
 
 def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, num_params: int) -> None:
     """Allocate the shared rollout, ``[n_steps, envs, ...]``; each worker owns a column slice."""
-    continuous = not hasattr(action_space, "n")
-    t, n = cfg.n_steps, cfg.total_envs
-    arrays.create("obs", (t, n, *obs_space.shape), np.float32)
-    arrays.create("actions", (t, n, *action_space.shape), np.float32 if continuous else np.int64)
-    for key in ("logprobs", "values", "rewards", "final_values", "terminations", "truncations"):
-        arrays.create(key, (t, n), np.float32)
-    arrays.create("next_values", (n,), np.float32)
+    for key, (shape, dtype) in ppo.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space).items():
+        arrays.create(key, shape, dtype)
     arrays.create("params", (num_params,), np.float32)
-
-
-def collect_rollout(agent, envs, buf: dict[str, np.ndarray], cols: slice, n_steps: int, next_obs: np.ndarray):
-    """Step ``envs`` for ``n_steps`` with ``agent``, writing into columns ``cols`` of ``buf``.
-
-    Returns the observation to continue from and the episodes that finished.
-    """
-    low, high = action_bounds(envs.single_action_space)
-    episodes = []
-    with torch.inference_mode():
-        for step in range(n_steps):
-            action, logprob, value = agent.act(torch.from_numpy(next_obs))
-            action_np = action.numpy()
-            buf["obs"][step, cols] = next_obs
-            buf["actions"][step, cols] = action_np
-            buf["logprobs"][step, cols] = logprob.numpy()
-            buf["values"][step, cols] = value.numpy()
-            result = envs.step(action_np if low is None else np.clip(action_np, low, high))
-            buf["rewards"][step, cols] = result.rewards
-            buf["terminations"][step, cols] = result.terminations
-            buf["truncations"][step, cols] = result.truncations
-            if result.truncations.any():
-                # A time limit is not the end of the task: bootstrap from the final observation.
-                final_values = agent.get_value(torch.from_numpy(result.final_obs.astype(np.float32))).numpy()
-                buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
-            next_obs = result.obs.astype(np.float32, copy=False)
-            episodes.extend(result.episodes)
-        buf["next_values"][cols] = agent.get_value(torch.from_numpy(next_obs)).numpy()
-    return next_obs, episodes
-
-
-def action_bounds(space):
-    """Box actions are clipped to the bounds when stepping the env (the log-prob is of the raw sample)."""
-    return (space.low, space.high) if hasattr(space, "low") else (None, None)
 
 
 def make_agent(cfg: Config, envs):
@@ -159,7 +120,7 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
                 raise ValueError(f"worker {link.index}: unknown command {command!r}")
             networks.read_flat_params(agent, buf["params"])
             started = time.time()
-            next_obs, episodes = collect_rollout(agent, envs, buf, cols, cfg.n_steps, next_obs)
+            next_obs, episodes = ppo.collect_rollout(agent, envs, buf, cols, cfg.n_steps, next_obs)
             link.send("collected", {"episodes": episodes, "started": started})
     finally:
         envs.close()
@@ -189,7 +150,7 @@ class InProcessCollector:
             networks.read_flat_params(self.agent, self.buf["params"])
         self.run.budget.mark_first_step()
         cols = slice(0, self.cfg.num_envs_per_worker)
-        self.next_obs, episodes = collect_rollout(self.agent, self.envs, self.buf, cols, self.cfg.n_steps,
+        self.next_obs, episodes = ppo.collect_rollout(self.agent, self.envs, self.buf, cols, self.cfg.n_steps,
                                                   self.next_obs)
         return episodes
 
@@ -298,8 +259,8 @@ class PPOTrainer:
 
     def update(self) -> tuple[dict[str, float], float]:
         started = time.perf_counter()
-        stats = ppo.ppo_update(self.agent, self.optimizer, make_batch(self.cfg, self.buf, self.device), self.settings,
-                               self.generator, self.grad_hook)
+        batch = ppo.rollout_batch(self.buf, self.cfg.gamma, self.cfg.gae_lambda, self.device)
+        stats = ppo.ppo_update(self.agent, self.optimizer, batch, self.settings, self.generator, self.grad_hook)
         return stats, time.perf_counter() - started
 
     def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float) -> None:
@@ -325,19 +286,6 @@ class PPOTrainer:
 
     def state_dict(self) -> dict:
         return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
-
-
-def make_batch(cfg: Config, buf: dict[str, np.ndarray], device) -> dict:
-    """GAE over the shared rollout, then flatten ``[T, N]`` into one batch of samples."""
-    advantages, returns = ppo.compute_gae(buf["rewards"], buf["values"], buf["terminations"], buf["truncations"],
-                                          buf["final_values"], buf["next_values"], cfg.gamma, cfg.gae_lambda)
-    samples = cfg.n_steps * cfg.total_envs
-
-    def flat(array: np.ndarray):
-        return torch.as_tensor(array.reshape(samples, *array.shape[2:])).to(device)
-
-    return {"obs": flat(buf["obs"]), "actions": flat(buf["actions"]), "logprobs": flat(buf["logprobs"]),
-            "values": flat(buf["values"]), "advantages": flat(advantages), "returns": flat(returns)}
 
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],

@@ -3,7 +3,7 @@
 1. Throughput: aggregate env steps/s of the population with 1 and with 2 workers, one torch
    thread each, so that 2 workers on 2 cores should approach twice the 1-worker rate. The
    rate of a worker is its steps divided by its training time (from its first rollout to its
-   last update, as logged in metrics_worker_<i>.csv); process start-up is reported apart.
+   last update, as its last row in metrics.csv says); process start-up is reported apart.
    On a machine shared with other work the wall-clock ratio says more about the others than
    about this script, so the table also gives each worker's steps per second of its own CPU
    time (the rate it would reach with a free core).
@@ -75,13 +75,11 @@ def run_training(out: Path, *args: str, sample_memory: bool = False) -> dict:
     return {"summary": summary, "wall_s": wall, "peak_pss": peak_pss, "peak_training_pss": peak_training_pss}
 
 
-def worker_rates(out: Path, workers: int, column: str = "sps") -> list[float]:
-    rates = []
-    for i in range(workers):
-        with open(out / f"metrics_worker_{i}.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
-        rates.append(float(rows[-1][column]))
-    return rates
+def worker_rates(out: Path, workers: int, column: str = "worker_sps") -> list[float]:
+    """Each worker's rate from its last row in metrics.csv (one row per update of some worker)."""
+    with open(out / "metrics.csv", newline="") as f:
+        last = {row["worker"]: float(row[column]) for row in csv.DictReader(f)}
+    return [last[str(i)] for i in range(workers)]
 
 
 def bench_throughput(work: Path, steps: int, cache_dir: Path) -> list[list[str]]:
@@ -97,7 +95,7 @@ def bench_throughput(work: Path, steps: int, cache_dir: Path) -> list[list[str]]
         rows.append([f"{workers} worker(s), 1 thread each", f"{total:,.0f} steps/s",
                      f"{total / base:.2f}x", f"per worker {', '.join(f'{r:,.0f}' for r in rates)}; "
                      f"{workers * steps:,} steps, wall {result['wall_s']:.1f} s incl. start-up; load {load_average()}"])
-        cpu_total = sum(worker_rates(out, workers, "cpu_sps"))
+        cpu_total = sum(worker_rates(out, workers, "worker_cpu_sps"))
         cpu_base = cpu_base or cpu_total
         rows.append([f"{workers} worker(s), per CPU-second", f"{cpu_total:,.0f} steps/s",
                      f"{cpu_total / cpu_base:.2f}x",

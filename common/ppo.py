@@ -1,4 +1,10 @@
-"""The PPO pieces shared by the two PPO scripts: GAE and the clipped-surrogate update."""
+"""The PPO pieces shared by the two PPO scripts: the rollout, GAE and the clipped-surrogate update.
+
+A rollout lives in a dict of ``[n_steps, envs, ...]`` arrays (:func:`rollout_layout`): shared
+memory that several workers fill column by column in ``train_parallel_timed.py``, a worker's
+private arrays in ``train_ppo_multiprocess.py``. :func:`collect_rollout` fills it,
+:func:`rollout_batch` turns it into the flat batch :func:`ppo_update` learns from.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,64 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+
+def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
+    """``{name: (shape, dtype)}`` of the arrays :func:`collect_rollout` fills for ``num_envs`` envs."""
+    continuous = not hasattr(action_space, "n")
+    layout = {"obs": ((n_steps, num_envs, *observation_space.shape), np.float32),
+              "actions": ((n_steps, num_envs, *action_space.shape), np.float32 if continuous else np.int64)}
+    for key in ("logprobs", "values", "rewards", "final_values", "terminations", "truncations"):
+        layout[key] = ((n_steps, num_envs), np.float32)
+    layout["next_values"] = ((num_envs,), np.float32)
+    return layout
+
+
+def collect_rollout(agent, envs, buf: dict[str, np.ndarray], cols: slice, n_steps: int, next_obs: np.ndarray):
+    """Step ``envs`` for ``n_steps`` with ``agent`` (on the CPU), writing into columns ``cols`` of ``buf``.
+
+    Returns the observation to continue from and the episodes that finished.
+    """
+    low, high = action_bounds(envs.single_action_space)
+    episodes = []
+    with torch.inference_mode():
+        for step in range(n_steps):
+            action, logprob, value = agent.act(torch.from_numpy(next_obs))
+            action_np = action.numpy()
+            buf["obs"][step, cols] = next_obs
+            buf["actions"][step, cols] = action_np
+            buf["logprobs"][step, cols] = logprob.numpy()
+            buf["values"][step, cols] = value.numpy()
+            result = envs.step(action_np if low is None else np.clip(action_np, low, high))
+            buf["rewards"][step, cols] = result.rewards
+            buf["terminations"][step, cols] = result.terminations
+            buf["truncations"][step, cols] = result.truncations
+            if result.truncations.any():
+                # A time limit is not the end of the task: bootstrap from the final observation.
+                final_values = agent.get_value(torch.from_numpy(result.final_obs.astype(np.float32))).numpy()
+                buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
+            next_obs = result.obs.astype(np.float32, copy=False)
+            episodes.extend(result.episodes)
+        buf["next_values"][cols] = agent.get_value(torch.from_numpy(next_obs)).numpy()
+    return next_obs, episodes
+
+
+def action_bounds(space):
+    """Box actions are clipped to the bounds when stepping the env (the log-prob is of the raw sample)."""
+    return (space.low, space.high) if hasattr(space, "low") else (None, None)
+
+
+def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, device) -> dict[str, torch.Tensor]:
+    """GAE over a filled rollout, then ``[T, N]`` flattened into one batch of samples on ``device``."""
+    advantages, returns = compute_gae(buf["rewards"], buf["values"], buf["terminations"], buf["truncations"],
+                                      buf["final_values"], buf["next_values"], gamma, gae_lambda)
+    samples = buf["rewards"].size
+
+    def flat(array: np.ndarray):
+        return torch.as_tensor(array.reshape(samples, *array.shape[2:])).to(device)
+
+    return {"obs": flat(buf["obs"]), "actions": flat(buf["actions"]), "logprobs": flat(buf["logprobs"]),
+            "values": flat(buf["values"]), "advantages": flat(advantages), "returns": flat(returns)}
 
 
 def compute_gae(rewards: np.ndarray, values: np.ndarray, terminations: np.ndarray,

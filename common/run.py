@@ -84,7 +84,7 @@ class RunConfig:
     checkpoint_interval_s: float = 60.0  # seconds between checkpoints (one more at the end)
     log_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
     tensorboard: bool = True  # also write TensorBoard events to tb/
-    max_worker_restarts: int = 3  # restarts per worker before the run gives up (exit 1)
+    max_worker_restarts: int | None = 3  # restarts per worker before the run gives up (exit 1); None = no limit
     worker_timeout_s: float = 120.0  # a worker not started, or silent, this long is killed and restarted
     env_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE keyword arguments for gymnasium.make
 
@@ -101,7 +101,8 @@ class RunConfig:
                                                    "duration", "learning_rate", "batch_size")
                                  if hasattr(self, name)])
         require_positive(self, "checkpoint_interval_s", "log_interval_s", "worker_timeout_s")
-        require(self.max_worker_restarts >= 0, "max_worker_restarts", self.max_worker_restarts, "must be >= 0")
+        require(self.max_worker_restarts is None or self.max_worker_restarts >= 0, "max_worker_restarts",
+                self.max_worker_restarts, "must be >= 0 or none")
         if hasattr(self, "gamma"):
             require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         if hasattr(self, "hidden_sizes"):
@@ -253,10 +254,10 @@ def find_checkpoint(resume: str, output_dir: str | None, script: str, env_id: st
 
 def load_resume(script: str, cfg: Any, pattern: str, required: tuple[str, ...]) -> tuple[Path | None, dict | None]:
     """Find and check the checkpoint to continue; ConfigError names what does not match."""
-    from common.checkpoint import CheckpointError, load_checkpoint
-
     if cfg.resume is None:
         return None, None
+    from common.checkpoint import CheckpointError, load_checkpoint
+
     path = find_checkpoint(cfg.resume, cfg.output_dir, script, cfg.env_id, cfg.seed, pattern)
     if path is None:
         return None, None

@@ -279,7 +279,7 @@ class Supervisor:
     """
 
     def __init__(self, target: Callable[..., None], count: int, args_for: Callable[[int], tuple], *,
-                 name: str = "worker", max_restarts: int = 3, start_timeout_s: float = 120.0,
+                 name: str = "worker", max_restarts: int | None = 3, start_timeout_s: float = 120.0,
                  hang_timeout_s: float | None = 120.0, on_give_up: str = "run",
                  logger: logging.Logger | None = None):
         self.target, self.args_for, self.name = target, args_for, name
@@ -427,7 +427,7 @@ class Supervisor:
         if self.stopping:
             worker.given_up = True
             return []
-        if worker.restarts >= self.max_restarts:
+        if self.max_restarts is not None and worker.restarts >= self.max_restarts:
             worker.given_up = True
             first_line = reason.splitlines()[-1] if error else reason
             message = (f"{self.name} {index} died {worker.restarts + 1} times; giving up "
@@ -438,7 +438,7 @@ class Supervisor:
             return [Message(index, "given_up", reason)]
         worker.restarts += 1
         self._spawn(index)
-        self.log.warning("restarted %s %d (restart %d of at most %d), pid %d", self.name, index, worker.restarts,
+        self.log.warning("restarted %s %d (restart %d of at most %s), pid %d", self.name, index, worker.restarts,
                          self.max_restarts, worker.process.pid)
         return [Message(index, "restarted", reason)]
 
