@@ -16,7 +16,6 @@ gradients are averaged across ranks before every optimizer step (DD-PPO).
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
@@ -64,6 +63,10 @@ class Config(RunConfig):
     norm_adv: bool = True  # normalize advantages per minibatch
     target_kl: float | None = None  # stop the epochs of an update early past this approximate KL
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
+    norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
+    norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
+    clip_obs: float = 10.0  # normalized observations are clipped to +-this
+    clip_reward: float = 10.0  # scaled rewards are clipped to +-this
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
 
@@ -88,15 +91,32 @@ class Config(RunConfig):
 # The same function fills the rollout in a worker process and, with 0 workers, in the
 # main process, so the sequential baseline measures exactly the same code.
 
-def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, num_params: int) -> None:
-    """Allocate the shared rollout, ``[n_steps, envs, ...]``; each worker owns a column slice."""
+def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, num_params: int,
+                   norm_size: int) -> None:
+    """Allocate the shared rollout, ``[n_steps, envs, ...]`` (each worker owns a column slice), and
+    what the learner publishes before every rollout: the parameters and the normalization statistics."""
     for key, (shape, dtype) in ppo.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space).items():
         arrays.create(key, shape, dtype)
     arrays.create("params", (num_params,), np.float32)
+    arrays.create("norm", (norm_size,), np.float64)
 
 
-def make_agent(cfg: Config, envs):
-    return networks.ActorCritic(envs.single_observation_space, envs.single_action_space, tuple(cfg.hidden_sizes))
+def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, agent=None):
+    """A rollout collector over ``envs`` filling their columns of ``buf`` (a new CPU agent unless given)."""
+    spaces = envs.single_observation_space, envs.single_action_space
+    agent = agent or networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes))
+    cols = slice(first_env, first_env + envs.num_envs)
+    return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces))
+
+
+def collect_published(collector, buf: dict[str, np.ndarray], n_steps: int,
+                      read_params: bool = True) -> tuple[list[dict], str]:
+    """One rollout with the parameters and normalization statistics the learner published; also
+    returns a digest of the statistics used, which the learner checks against its own."""
+    if read_params:
+        networks.read_flat_params(collector.agent, buf["params"])
+    collector.normalizer.read(buf["norm"])
+    return collector.collect(n_steps), collector.normalizer.digest()
 
 
 def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_env: int, seed: int) -> None:
@@ -108,9 +128,7 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
     buf, handles = attach_all(specs)
     envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
     try:
-        agent = make_agent(cfg, envs)
-        cols = slice(first_env, first_env + cfg.num_envs_per_worker)
-        next_obs = envs.reset().astype(np.float32)
+        collector = make_collector(cfg, envs, buf, first_env)
         link.ready()
         while True:
             command, _ = link.receive()
@@ -118,10 +136,9 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
                 break
             if command != "collect":
                 raise ValueError(f"worker {link.index}: unknown command {command!r}")
-            networks.read_flat_params(agent, buf["params"])
             started = time.time()
-            next_obs, episodes = ppo.collect_rollout(agent, envs, buf, cols, cfg.n_steps, next_obs)
-            link.send("collected", {"episodes": episodes, "started": started})
+            episodes, digest = collect_published(collector, buf, cfg.n_steps)
+            link.send("collected", {"episodes": episodes, "started": started, "norm_digest": digest})
     finally:
         envs.close()
         buf.clear()
@@ -130,7 +147,7 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
 
 
 class InProcessCollector:
-    """Sequential baseline: the rollout runs in this process.
+    """Sequential baseline: the rollout runs in this process, with the same code as in a worker.
 
     It acts with the learner's own network on the CPU, or with a CPU copy refreshed from
     the published parameters when the learner lives on a GPU (rollouts step one small
@@ -140,18 +157,13 @@ class InProcessCollector:
     def __init__(self, run, agent, buf: dict[str, np.ndarray], seed: int):
         self.cfg, self.buf, self.run = run.cfg, buf, run
         self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
-        self.agent = agent if self.learner_on_cpu else copy.deepcopy(agent).cpu()
-        self.envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
-        run.defer(self.envs.close)
-        self.next_obs = self.envs.reset().astype(np.float32)
+        envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
+        run.defer(envs.close)
+        self.collector = make_collector(self.cfg, envs, buf, 0, agent if self.learner_on_cpu else None)
 
     def collect(self) -> list[dict] | None:
-        if not self.learner_on_cpu:
-            networks.read_flat_params(self.agent, self.buf["params"])
         self.run.budget.mark_first_step()
-        cols = slice(0, self.cfg.num_envs_per_worker)
-        self.next_obs, episodes = ppo.collect_rollout(self.agent, self.envs, self.buf, cols, self.cfg.n_steps,
-                                                  self.next_obs)
+        episodes, _ = collect_published(self.collector, self.buf, self.cfg.n_steps, read_params=not self.learner_on_cpu)
         return episodes
 
 
@@ -162,9 +174,9 @@ class WorkerCollector:
     rollout is then collected again, with the current parameters.
     """
 
-    def __init__(self, run, arrays: SharedArrays, seed: int):
+    def __init__(self, run, arrays: SharedArrays, seed: int, normalizer):
         cfg, specs, cfg_dict = run.cfg, arrays.specs(), to_dict(run.cfg)
-        self.run = run
+        self.run, self.normalizer = run, normalizer
 
         def args_for(index: int) -> tuple:
             lives = self.supervisor.workers[index].restarts if hasattr(self, "supervisor") else 0
@@ -187,6 +199,9 @@ class WorkerCollector:
                 return None
             for message in self.supervisor.poll(0.5):
                 if message.kind == "collected" and message.index in pending:
+                    if message.payload["norm_digest"] != self.normalizer.digest():
+                        raise RuntimeError(f"worker {message.index} acted with other normalization statistics "
+                                           "than the learner published")
                     self.run.budget.mark_first_step(message.payload["started"])
                     episodes.extend(message.payload["episodes"])
                     pending.discard(message.index)
@@ -211,19 +226,23 @@ class PPOTrainer:
         env = run.env
         self.agent = networks.ActorCritic(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
         self.agent.to(self.device)
+        self.normalizer = ppo.make_normalizer(cfg, env.observation_space, env.action_space)
+        arrays = SharedArrays()
+        run.defer(arrays.unlink_all)
+        rollout_arrays(arrays, cfg, env.observation_space, env.action_space, networks.flat_size(self.agent),
+                       self.normalizer.size())
+        self.buf = {key: arrays[key] for key in arrays.specs()}
+        seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
+        # Workers start first: they import torch and build their envs while this process goes on.
+        self.collector = (InProcessCollector(run, self.agent, self.buf, seed) if cfg.num_workers == 0
+                          else WorkerCollector(run, arrays, seed, self.normalizer))
         # fused: one kernel for all parameters (measured ~10% less CPU per PPO update on CartPole)
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
         if run.resumed is not None:
             self.agent.load_state_dict(run.resumed["model"])
             self.optimizer.load_state_dict(run.resumed["optimizer"])
+            self.normalizer.load_state_dict(run.resumed)
         dist.broadcast_model(self.agent)
-        arrays = SharedArrays()
-        run.defer(arrays.unlink_all)
-        rollout_arrays(arrays, cfg, env.observation_space, env.action_space, networks.flat_size(self.agent))
-        self.buf = {key: arrays[key] for key in arrays.specs()}
-        seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
-        self.collector = (InProcessCollector(run, self.agent, self.buf, seed) if cfg.num_workers == 0
-                          else WorkerCollector(run, arrays, seed))
         self.settings = ppo.PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef,
                                         cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
         self.generator = torch.Generator().manual_seed(cfg.seed + run.counters["updates"])
@@ -245,6 +264,7 @@ class PPOTrainer:
                 frac = max(0.0, 1.0 - run.counters["global_step"] / cfg.total_timesteps)
                 self.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
             networks.write_flat_params(self.agent, self.buf["params"])
+            self.normalizer.publish(self.buf["norm"])
             started = time.perf_counter()
             with budget.part("collect"):
                 episodes = self.collector.collect()
@@ -259,7 +279,9 @@ class PPOTrainer:
 
     def update(self) -> tuple[dict[str, float], float]:
         started = time.perf_counter()
-        batch = ppo.rollout_batch(self.buf, self.cfg.gamma, self.cfg.gae_lambda, self.device)
+        batch = ppo.rollout_batch(self.buf, self.cfg.gamma, self.cfg.gae_lambda, self.device, self.normalizer)
+        # The statistics take this rollout in only now: the batch uses those it was collected with.
+        self.normalizer.update(self.buf["obs"], self.buf["disc_returns"], self.dist.total)
         stats = ppo.ppo_update(self.agent, self.optimizer, batch, self.settings, self.generator, self.grad_hook)
         return stats, time.perf_counter() - started
 
@@ -285,7 +307,8 @@ class PPOTrainer:
             raise TrainingDiverged(f"loss became {stats['policy_loss']} at update {run.counters['updates']}")
 
     def state_dict(self) -> dict:
-        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
+        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec,
+                **self.normalizer.state_dict()}
 
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],

@@ -139,6 +139,10 @@ class PPOKwargs:
     clip_vloss: bool = True  # clip the value loss as in the PPO paper's code
     target_kl: float | None = None  # stop an update's epochs early past this approximate KL
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
+    norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
+    norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
+    clip_obs: float = 10.0  # normalized observations are clipped to +-this
+    clip_reward: float = 10.0  # scaled rewards are clipped to +-this
 
     def validate(self) -> None:
         require_positive(self, "n_steps", "rollout_steps", "batch_size", "n_epochs", "max_grad_norm")
@@ -301,11 +305,14 @@ class Agent:
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0, "pbt_exploits": 0,
                          "recent_returns": []}
+        self.normalizer = ppo.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])
         if setup.checkpoint:
             self.restore(setup.checkpoint)
         self.recent = deque(self.counters["recent_returns"], maxlen=RECENT)
         layout = ppo.rollout_layout(cfg.n_steps, n, obs_space, action_space)
         self.buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
+        # Each agent is its own learner: its normalization statistics are its own too.
+        self.collector = ppo.RolloutCollector(self.actor, self.envs, self.buf, slice(None), self.normalizer)
         self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * self.index + self.counters["updates"])
         self.stop_payload: dict = {}
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])
@@ -324,7 +331,9 @@ class Agent:
             reason = str(err).strip().splitlines()[0][:200]
             raise WorkerConfigError(f"worker {self.index} cannot continue from {path}: {reason}") from None
         self.actor.load_state_dict(self.learner.state_dict())
+        self.normalizer.load_state_dict(state)
         self.hyper = dict(state["hyper"])  # PBT may have changed them
+        self.normalizer.gamma = self.hyper["gamma"]
         self.counters.update(state["counters"])
         checkpoints.set_rng_state(state["rng"])
         self.log.info("worker %d resumed from %s at step %d", self.index, path, self.counters["global_step"])
@@ -336,7 +345,8 @@ class Agent:
         state = {"script": MODE.script, "config": self.setup.config, "counters": dict(c),
                  "env": {"id": self.cfg.env_id, "kwargs": self.setup.env_kwargs},
                  "rng": checkpoints.rng_state(), "model": self.learner.state_dict(), "policy": self.learner.spec,
-                 "optimizer": self.optimizer.state_dict(), "worker": self.index, "hyper": dict(self.hyper),
+                 "optimizer": self.optimizer.state_dict(), **self.normalizer.state_dict(),
+                 "worker": self.index, "hyper": dict(self.hyper),
                  "item_indices": self.setup.item_indices}
         path = checkpoints.save_checkpoint(state, Path(self.setup.run_dir) / "checkpoints" / name)
         self.log.info("checkpoint %s (step %d)", path.name, c["global_step"])
@@ -350,12 +360,11 @@ class Agent:
         # The envs' state is not in a checkpoint: a resumed worker re-seeds them by its step,
         # so that it does not replay the windows it started with.
         self.envs.seed += c["global_step"]
-        next_obs = self.envs.reset().astype(np.float32)
+        self.collector.next_obs = self.envs.reset()
         while not self.done():
             self.anneal_lr()
             started = time.time()
-            next_obs, episodes = ppo.collect_rollout(self.actor, self.envs, self.buf, slice(None), cfg.n_steps,
-                                                     next_obs)
+            episodes = self.collector.collect(cfg.n_steps)
             c["global_step"] += rollout
             stats = self.update()
             if stats is None:
@@ -377,7 +386,8 @@ class Agent:
     def update(self) -> dict[str, float] | None:
         cfg, h = self.cfg, self.hyper
         started = time.perf_counter()
-        batch = ppo.rollout_batch(self.buf, h["gamma"], h["gae_lambda"], self.device)
+        batch = ppo.rollout_batch(self.buf, h["gamma"], h["gae_lambda"], self.device, self.normalizer)
+        self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old statistics
         settings = ppo.PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"],
                                    cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
         stats = ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.generator)
@@ -459,7 +469,9 @@ class Agent:
             self.learner.load_state_dict(donor["model"])
             self.optimizer.load_state_dict(donor["optimizer"])
             self.actor.load_state_dict(self.learner.state_dict())
+            self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
             self.hyper = dict(payload["hyper"])
+            self.normalizer.gamma = self.hyper["gamma"]
             self.counters["pbt_exploits"] += 1
             self.recent.clear()
             self.log.info("PBT: copied worker %d (score %.3f vs ours %.3f); hyperparameters now %s",
@@ -483,17 +495,18 @@ class Agent:
         cfg = self.cfg
         envs = envs_lib.make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                                      **split_kwargs(self.setup.env_kwargs, "eval", self.data, self.setup.item_indices))
-        act = policy_actions(self.actor, envs.single_action_space, cfg.eval_deterministic)
+        act = policy_actions(self.actor, envs.single_action_space, cfg.eval_deterministic, self.normalizer)
         return evaluate(envs, act, cfg.eval_episodes, cfg.eval_seed)
 
 
-def policy_actions(agent, action_space, deterministic: bool):
+def policy_actions(agent, action_space, deterministic: bool, normalizer):
     """``act(obs, masks)`` for play_episodes: greedy (argmax, or a Box action's mean) or sampled."""
     low, high = ppo.action_bounds(action_space)
 
     def act(obs: np.ndarray, _masks) -> np.ndarray:
         with torch.inference_mode():
-            obs_t = torch.from_numpy(obs.astype(np.float32, copy=False))
+            seen = normalizer.observations(obs)
+            obs_t = torch.from_numpy(seen if seen.dtype == np.uint8 else seen.astype(np.float32, copy=False))
             if not deterministic:
                 action = agent.act(obs_t)[0]
             else:

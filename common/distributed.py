@@ -18,6 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common.lazy import lazy_import
 
 torch = lazy_import("torch")
@@ -35,6 +37,9 @@ class SingleProcess:
 
     def gradient_hook(self, model: torch.nn.Module) -> None:
         return None  # nothing to average
+
+    def total(self, values: np.ndarray) -> np.ndarray:
+        return values
 
     def agree_on_path(self, path: Path) -> Path:
         return path
@@ -98,6 +103,12 @@ class TorchDistributed:
     def broadcast_model(self, model: torch.nn.Module) -> None:
         for tensor in model.state_dict().values():
             self._call("parameter broadcast", self.dist.broadcast, tensor, src=0)
+
+    def total(self, values: np.ndarray) -> np.ndarray:
+        """The sum of ``values`` over all ranks (e.g. the moments of the normalization statistics)."""
+        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        self._call("statistics all-reduce", self.dist.all_reduce, tensor)
+        return tensor.numpy()
 
     def gradient_hook(self, model: torch.nn.Module):
         """A callable for ``ppo_update(after_backward=...)``: one flat all-reduce of every gradient."""

@@ -2,7 +2,7 @@
 
 A rollout lives in a dict of ``[n_steps, envs, ...]`` arrays (:func:`rollout_layout`): shared
 memory that several workers fill column by column in ``train_parallel_timed.py``, a worker's
-private arrays in ``train_ppo_multiprocess.py``. :func:`collect_rollout` fills it,
+private arrays in ``train_ppo_multiprocess.py``. A :class:`RolloutCollector` fills it,
 :func:`rollout_batch` turns it into the flat batch :func:`ppo_update` learns from.
 """
 
@@ -15,45 +15,83 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.normalize import Normalizer
+
 
 def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
-    """``{name: (shape, dtype)}`` of the arrays :func:`collect_rollout` fills for ``num_envs`` envs."""
+    """``{name: (shape, dtype)}`` of the arrays a :class:`RolloutCollector` fills for ``num_envs`` envs.
+
+    Observations are stored as the env gives them (uint8 frames stay uint8: a quarter of float32).
+    """
     continuous = not hasattr(action_space, "n")
-    layout = {"obs": ((n_steps, num_envs, *observation_space.shape), np.float32),
+    obs_dtype = np.uint8 if observation_space.dtype == np.uint8 else np.float32
+    layout = {"obs": ((n_steps, num_envs, *observation_space.shape), obs_dtype),
               "actions": ((n_steps, num_envs, *action_space.shape), np.float32 if continuous else np.int64)}
-    for key in ("logprobs", "values", "rewards", "final_values", "terminations", "truncations"):
+    for key in ("logprobs", "values", "rewards", "final_values", "terminations", "truncations", "disc_returns"):
         layout[key] = ((n_steps, num_envs), np.float32)
     layout["next_values"] = ((num_envs,), np.float32)
     return layout
 
 
-def collect_rollout(agent, envs, buf: dict[str, np.ndarray], cols: slice, n_steps: int, next_obs: np.ndarray):
-    """Step ``envs`` for ``n_steps`` with ``agent`` (on the CPU), writing into columns ``cols`` of ``buf``.
+class RolloutCollector:
+    """Steps ``envs`` with ``agent`` (on the CPU), filling columns ``cols`` of a rollout ``buf``.
 
-    Returns the observation to continue from and the episodes that finished.
+    It keeps what outlives one rollout: the observation to continue from and each env's
+    discounted return so far (reward scaling learns its variance). The policy acts on
+    observations normalized by ``normalizer``; the rollout stores them raw (common/normalize.py).
     """
-    low, high = action_bounds(envs.single_action_space)
-    episodes = []
-    with torch.inference_mode():
-        for step in range(n_steps):
-            action, logprob, value = agent.act(torch.from_numpy(next_obs))
-            action_np = action.numpy()
-            buf["obs"][step, cols] = next_obs
-            buf["actions"][step, cols] = action_np
-            buf["logprobs"][step, cols] = logprob.numpy()
-            buf["values"][step, cols] = value.numpy()
-            result = envs.step(action_np if low is None else np.clip(action_np, low, high))
-            buf["rewards"][step, cols] = result.rewards
-            buf["terminations"][step, cols] = result.terminations
-            buf["truncations"][step, cols] = result.truncations
-            if result.truncations.any():
-                # A time limit is not the end of the task: bootstrap from the final observation.
-                final_values = agent.get_value(torch.from_numpy(result.final_obs.astype(np.float32))).numpy()
-                buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
-            next_obs = result.obs.astype(np.float32, copy=False)
-            episodes.extend(result.episodes)
-        buf["next_values"][cols] = agent.get_value(torch.from_numpy(next_obs)).numpy()
-    return next_obs, episodes
+
+    def __init__(self, agent, envs, buf: dict[str, np.ndarray], cols: slice, normalizer: Normalizer):
+        self.agent, self.envs, self.buf, self.cols, self.normalizer = agent, envs, buf, cols, normalizer
+        self.low, self.high = action_bounds(envs.single_action_space)
+        self.next_obs = envs.reset()
+        self.returns = np.zeros(envs.num_envs, dtype=np.float64)
+
+    def policy_input(self, obs: np.ndarray) -> torch.Tensor:
+        seen = self.normalizer.observations(obs)
+        return torch.from_numpy(seen if seen.dtype in (np.float32, np.uint8) else seen.astype(np.float32))
+
+    def collect(self, n_steps: int) -> list[dict]:
+        """One rollout of ``n_steps`` steps per env; returns the episodes that finished."""
+        buf, cols, agent = self.buf, self.cols, self.agent
+        episodes = []
+        with torch.inference_mode():
+            for step in range(n_steps):
+                action, logprob, value = agent.act(self.policy_input(self.next_obs))
+                action_np = action.numpy()
+                buf["obs"][step, cols] = self.next_obs
+                buf["actions"][step, cols] = action_np
+                buf["logprobs"][step, cols] = logprob.numpy()
+                buf["values"][step, cols] = value.numpy()
+                result = self.envs.step(action_np if self.low is None else np.clip(action_np, self.low, self.high))
+                self.record(step, result)
+                episodes.extend(result.episodes)
+            buf["next_values"][cols] = agent.get_value(self.policy_input(self.next_obs)).numpy()
+        return episodes
+
+    def record(self, step: int, result) -> None:
+        buf, cols = self.buf, self.cols
+        buf["rewards"][step, cols] = result.rewards
+        buf["terminations"][step, cols] = result.terminations
+        buf["truncations"][step, cols] = result.truncations
+        self.returns = self.returns * self.normalizer.gamma + result.rewards
+        buf["disc_returns"][step, cols] = self.returns
+        done = result.terminations | result.truncations
+        self.returns[done] = 0.0
+        if result.truncations.any():
+            # A time limit is not the end of the task: bootstrap from the final observation.
+            final_values = self.agent.get_value(self.policy_input(result.final_obs)).numpy()
+            buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
+        self.next_obs = result.obs
+
+
+def make_normalizer(cfg, observation_space, action_space, gamma: float | None = None) -> Normalizer:
+    """The run's normalizer from ``norm_obs``/``norm_reward`` (None = on for Box actions, off for Discrete)."""
+    continuous = not hasattr(action_space, "n")
+    norm_obs = continuous if cfg.norm_obs is None else cfg.norm_obs
+    norm_reward = continuous if cfg.norm_reward is None else cfg.norm_reward
+    return Normalizer(observation_space.shape, norm_obs, norm_reward, cfg.clip_obs, cfg.clip_reward,
+                      cfg.gamma if gamma is None else gamma)
 
 
 def action_bounds(space):
@@ -61,17 +99,23 @@ def action_bounds(space):
     return (space.low, space.high) if hasattr(space, "low") else (None, None)
 
 
-def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, device) -> dict[str, torch.Tensor]:
-    """GAE over a filled rollout, then ``[T, N]`` flattened into one batch of samples on ``device``."""
-    advantages, returns = compute_gae(buf["rewards"], buf["values"], buf["terminations"], buf["truncations"],
+def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, device,
+                  normalizer: Normalizer) -> dict[str, torch.Tensor]:
+    """GAE over a filled rollout, then ``[T, N]`` flattened into one batch of samples on ``device``.
+
+    Observations are normalized and rewards scaled with the statistics the rollout was collected with.
+    """
+    rewards = normalizer.rewards(buf["rewards"])
+    advantages, returns = compute_gae(rewards, buf["values"], buf["terminations"], buf["truncations"],
                                       buf["final_values"], buf["next_values"], gamma, gae_lambda)
-    samples = buf["rewards"].size
+    samples = rewards.size
 
     def flat(array: np.ndarray):
         return torch.as_tensor(array.reshape(samples, *array.shape[2:])).to(device)
 
-    return {"obs": flat(buf["obs"]), "actions": flat(buf["actions"]), "logprobs": flat(buf["logprobs"]),
-            "values": flat(buf["values"]), "advantages": flat(advantages), "returns": flat(returns)}
+    return {"obs": flat(normalizer.observations(buf["obs"])), "actions": flat(buf["actions"]),
+            "logprobs": flat(buf["logprobs"]), "values": flat(buf["values"]), "advantages": flat(advantages),
+            "returns": flat(returns)}
 
 
 def compute_gae(rewards: np.ndarray, values: np.ndarray, terminations: np.ndarray,

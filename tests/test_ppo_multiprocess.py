@@ -27,6 +27,7 @@ from common.checkpoint import load_checkpoint
 from common.envs import make_vec_env
 from common.envs.market import load_market_data
 from common.networks import ActorCritic, build_network
+from common.normalize import Normalizer
 
 SCRIPT = "train_ppo_multiprocess.py"
 # A small synthetic market and small rollouts, so each run takes seconds on two cores.
@@ -192,6 +193,7 @@ def test_box_actions_train_and_act_with_their_mean(tmp_path):
     assert [r["worker"] for r in board] in (["0", "1", "random"], ["1", "0", "random"])
     state = load_checkpoint(out / "best.pt", required=("model", "policy"))
     assert state["policy"]["action_space"]["type"] == "Box"
+    assert state["obs_norm"]["count"] > 1000 and state["reward_norm"]["count"] > 1000  # on by default for Box
     # Greedy evaluation acts with the mean of the Gaussian, clipped to the bounds.
     import gymnasium as gym
 
@@ -200,7 +202,8 @@ def test_box_actions_train_and_act_with_their_mean(tmp_path):
     with torch.no_grad():
         agent.actor[-1].bias.fill_(5.0)  # a mean beyond the upper bound
     obs = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
-    act = tpm.policy_actions(agent, space, deterministic=True)
+    normalizer = Normalizer((3,), norm_obs=True, norm_reward=True)
+    act = tpm.policy_actions(agent, space, True, normalizer)
     assert np.array_equal(act(obs, None), act(obs, None)) and np.all(act(obs, None) == 2.0)
 
 
