@@ -63,6 +63,8 @@ class Config(RunConfig):
     norm_adv: bool = True  # normalize advantages per minibatch
     target_kl: float | None = None  # stop the epochs of an update early past this approximate KL
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
+    activation: str = "tanh"  # of the hidden layers: tanh or relu
+    log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
     norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
     clip_obs: float = 10.0  # normalized observations are clipped to +-this
@@ -81,6 +83,7 @@ class Config(RunConfig):
                 f"must divide the rollout of n_steps * envs = {self.n_steps} * {self.total_envs} = {rollout}")
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.torch_threads >= 0, "torch_threads", self.torch_threads, "must be >= 0 (0 = all cores)")
+        require(self.activation in ("tanh", "relu"), "activation", self.activation, "must be tanh or relu")
 
     @property
     def total_envs(self) -> int:
@@ -104,7 +107,7 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
 def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, agent=None):
     """A rollout collector over ``envs`` filling their columns of ``buf`` (a new CPU agent unless given)."""
     spaces = envs.single_observation_space, envs.single_action_space
-    agent = agent or networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes))
+    agent = agent or networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
     cols = slice(first_env, first_env + envs.num_envs)
     return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces))
 
@@ -224,7 +227,8 @@ class PPOTrainer:
         torch.set_num_threads(cfg.torch_threads or threads_per_process(1))
         self.device = torch.device(resolve_device(cfg.device))
         env = run.env
-        self.agent = networks.ActorCritic(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
+        self.agent = networks.ActorCritic(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
+                                          cfg.activation, cfg.log_std_init)
         self.agent.to(self.device)
         self.normalizer = ppo.make_normalizer(cfg, env.observation_space, env.action_space)
         arrays = SharedArrays()

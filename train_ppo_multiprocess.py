@@ -139,6 +139,8 @@ class PPOKwargs:
     clip_vloss: bool = True  # clip the value loss as in the PPO paper's code
     target_kl: float | None = None  # stop an update's epochs early past this approximate KL
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
+    activation: str = "tanh"  # of the hidden layers: tanh or relu
+    log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
     norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
     clip_obs: float = 10.0  # normalized observations are clipped to +-this
@@ -156,6 +158,7 @@ class PPOKwargs:
             require(all(v <= 1 for v in getattr(self, name)), name, getattr(self, name), "must be in [0, 1]")
         require(len(self.hidden_sizes) > 0 and all(h > 0 for h in self.hidden_sizes), "hidden_sizes",
                 self.hidden_sizes, "widths must be > 0")
+        require(self.activation in ("tanh", "relu"), "activation", self.activation, "must be tanh or relu")
 
     @staticmethod
     def validate_together(cfg: dict[str, Any]) -> None:
@@ -299,7 +302,8 @@ class Agent:
                                           **split_kwargs(setup.env_kwargs, "train", data, setup.item_indices))
         obs_space, action_space = self.envs.single_observation_space, self.envs.single_action_space
         self.device = torch.device(setup.device)
-        self.learner = networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes)).to(self.device)
+        self.learner = networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes), cfg.activation,
+                                            cfg.log_std_init).to(self.device)
         # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
         self.actor = self.learner if self.device.type == "cpu" else copy.deepcopy(self.learner).cpu()
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)

@@ -22,6 +22,9 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias: float = 0.0) -
     return layer
 
 
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
 def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, out_std: float,
         activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -106,21 +109,22 @@ class ActorCritic(nn.Module):
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
-                 hidden: tuple[int, ...] = (64, 64)):
+                 hidden: tuple[int, ...] = (64, 64), activation: str = "tanh", log_std_init: float = 0.0):
         super().__init__()
         # Everything needed to build this network again (a checkpoint stores it under "policy").
         self.spec = {"class": "ActorCritic", "observation_space": space_spec(observation_space),
-                     "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "tanh"}
+                     "action_space": space_spec(action_space), "hidden_sizes": list(hidden),
+                     "activation": activation, "log_std_init": log_std_init}
         self.trunk, in_dim = encoder(observation_space)
         heads_hidden = () if is_image(observation_space) else tuple(hidden)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(action_space, gym.spaces.Box):
             raise ValueError(f"unsupported action space {action_space}")
         out_dim = int(action_space.n) if self.discrete else int(np.prod(action_space.shape))
-        self.critic = mlp(in_dim, heads_hidden, 1, out_std=1.0)
-        self.actor = mlp(in_dim, heads_hidden, out_dim, out_std=0.01)
-        if not self.discrete:
-            self.actor_logstd = nn.Parameter(torch.zeros(1, out_dim))
+        self.critic = mlp(in_dim, heads_hidden, 1, out_std=1.0, activation=ACTIVATIONS[activation])
+        self.actor = mlp(in_dim, heads_hidden, out_dim, out_std=0.01, activation=ACTIVATIONS[activation])
+        if not self.discrete:  # state-independent: exp(log_std_init) is the first policy's spread
+            self.actor_logstd = nn.Parameter(torch.full((1, out_dim), float(log_std_init)))
 
     def head(self, obs: torch.Tensor) -> torch.Tensor:
         """The actor's output: logits (Discrete) or the mean action (Box)."""
@@ -194,9 +198,11 @@ class QNetwork(nn.Module):
 
 def build_network(spec: dict) -> nn.Module:
     """The (untrained) network a ``spec`` describes; load a checkpoint's ``model`` into it."""
-    classes = {"ActorCritic": ActorCritic, "QNetwork": QNetwork}
-    return classes[spec["class"]](space_from_spec(spec["observation_space"]), space_from_spec(spec["action_space"]),
-                                  tuple(spec["hidden_sizes"]))
+    spaces = space_from_spec(spec["observation_space"]), space_from_spec(spec["action_space"])
+    if spec["class"] == "QNetwork":
+        return QNetwork(*spaces, tuple(spec["hidden_sizes"]))
+    return ActorCritic(*spaces, tuple(spec["hidden_sizes"]), spec.get("activation", "tanh"),
+                       spec.get("log_std_init", 0.0))
 
 
 def flat_size(model: nn.Module) -> int:
