@@ -68,6 +68,7 @@ checkpoints = lazy_import("common.checkpoint")
 envs_lib = lazy_import("common.envs")
 market = lazy_import("common.envs.market")
 networks = lazy_import("common.networks")
+optim = lazy_import("common.optim")
 ppo = lazy_import("common.ppo")
 
 PER_WORKER = ("learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef")  # may differ between workers
@@ -306,7 +307,7 @@ class Agent:
                                             cfg.log_std_init).to(self.device)
         # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
         self.actor = self.learner if self.device.type == "cpu" else copy.deepcopy(self.learner).cpu()
-        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
+        self.optimizer = optim.FusedAdam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0, "pbt_exploits": 0,
                          "recent_returns": []}
         self.normalizer = ppo.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])

@@ -298,3 +298,30 @@ def test_fast_rollout_sampling_matches_the_distribution(continuous):
         samples = agent.act(obs[:1].expand(4000, 3))[0]
         freq = torch.bincount(samples, minlength=3).float() / 4000
         torch.testing.assert_close(freq, probs.detach(), atol=0.03, rtol=0)
+
+
+# ------------------------------------------------------------------ optimizer
+
+def test_fused_adam_is_bit_identical_to_torch_adam_and_shares_its_checkpoints():
+    from common.optim import FusedAdam
+
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    theirs.load_state_dict(ours.state_dict())
+    mine = FusedAdam(ours.parameters(), lr=3e-3, eps=1e-5)
+    reference = torch.optim.Adam(theirs.parameters(), lr=3e-3, eps=1e-5, fused=True)
+    x = torch.randn(16, 5)
+    for step in range(6):
+        for model, opt in ((ours, mine), (theirs, reference)):
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            opt.step()
+        mine.param_groups[0]["lr"] = reference.param_groups[0]["lr"] = 3e-3 * (1 - step / 6)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    # Either one's state loads into the other and continues identically.
+    other = torch.optim.Adam(ours.parameters(), lr=1.0, eps=1e-5, fused=True)
+    other.load_state_dict(mine.state_dict())
+    again = FusedAdam(theirs.parameters())
+    again.load_state_dict(reference.state_dict())
+    assert other.state_dict()["state"][0]["step"].item() == 6 and again.steps[0].item() == 6
+    assert torch.equal(again.exp_avg_sq[1], reference.state_dict()["state"][1]["exp_avg_sq"])
