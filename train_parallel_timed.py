@@ -25,22 +25,19 @@ import numpy as np
 
 from common.config import require, to_dict
 from common.lazy import lazy_import
+from common.normalize import NormalizationSettings
 from common.run import Mode, RunConfig, TrainingDiverged, run_training
 from common.shm import SharedArrays, attach_all
 from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch = lazy_import("torch")
-distributed = lazy_import("common.distributed")
-envs_lib = lazy_import("common.envs")
-networks = lazy_import("common.networks")
-optim = lazy_import("common.optim")
-ppo = lazy_import("common.ppo")
+torch, distributed, envs_lib, networks, optim, ppo = map(lazy_import, (
+    "torch", "common.distributed", "common.envs", "common.networks", "common.optim", "common.ppo"))
 
 
 @dataclass
-class Config(RunConfig):
+class Config(RunConfig, NormalizationSettings):
     env_id: str = "LunarLander-v3"  # any Gymnasium id with a Discrete or Box action space
     seed: int = 1  # environment i of the run is seeded seed + i
     num_workers: int = 2  # rollout processes; 0 runs the same loop in the main process (sequential baseline)
@@ -66,10 +63,6 @@ class Config(RunConfig):
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
     activation: str = "tanh"  # of the hidden layers: tanh or relu
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
-    norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
-    norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
-    clip_obs: float = 10.0  # normalized observations are clipped to +-this
-    clip_reward: float = 10.0  # scaled rewards are clipped to +-this
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
 
@@ -105,12 +98,12 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
     arrays.create("norm", (norm_size,), np.float64)
 
 
-def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, agent=None):
+def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, seed: int, agent=None):
     """A rollout collector over ``envs`` filling their columns of ``buf`` (a new CPU agent unless given)."""
     spaces = envs.single_observation_space, envs.single_action_space
     agent = agent or networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
     cols = slice(first_env, first_env + envs.num_envs)
-    return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces))
+    return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces), seed)
 
 
 def collect_published(collector, buf: dict[str, np.ndarray], n_steps: int,
@@ -132,7 +125,7 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
     buf, handles = attach_all(specs)
     envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
     try:
-        collector = make_collector(cfg, envs, buf, first_env)
+        collector = make_collector(cfg, envs, buf, first_env, seed)
         link.ready()
         while True:
             command, _ = link.receive()
@@ -163,7 +156,7 @@ class InProcessCollector:
         self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
         envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(envs.close)
-        self.collector = make_collector(self.cfg, envs, buf, 0, agent if self.learner_on_cpu else None)
+        self.collector = make_collector(self.cfg, envs, buf, 0, seed, agent if self.learner_on_cpu else None)
 
     def collect(self) -> list[dict] | None:
         self.run.budget.mark_first_step()

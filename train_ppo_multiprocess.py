@@ -45,6 +45,7 @@ import numpy as np
 
 from common.config import ConfigError, require, require_env_id, require_positive
 from common.lazy import lazy_import
+from common.normalize import NormalizationSettings
 from common.run import (
     RECENT,
     EnvInfo,
@@ -63,13 +64,8 @@ from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_t
 from common.system import assign_devices, format_bytes, shm_shortfall, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch = lazy_import("torch")
-checkpoints = lazy_import("common.checkpoint")
-envs_lib = lazy_import("common.envs")
-market = lazy_import("common.envs.market")
-networks = lazy_import("common.networks")
-optim = lazy_import("common.optim")
-ppo = lazy_import("common.ppo")
+torch, checkpoints, envs_lib, market, networks, optim, ppo = map(lazy_import, (
+    "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.optim", "common.ppo"))
 
 PER_WORKER = ("learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef")  # may differ between workers
 
@@ -122,7 +118,7 @@ def split_kwargs(env_kwargs: dict[str, Any], split: str, data, item_indices) -> 
 
 
 @dataclass
-class PPOKwargs:
+class PPOKwargs(NormalizationSettings):
     n_steps: int = 256  # steps per environment per rollout; a worker's rollout is n_steps * num_envs_per_worker
     rollout_steps: int | None = None  # a worker's whole rollout (all its envs) instead; when given, sets n_steps
     batch_size: int = 256  # minibatch size; must divide the rollout
@@ -142,10 +138,6 @@ class PPOKwargs:
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP widths
     activation: str = "tanh"  # of the hidden layers: tanh or relu
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
-    norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
-    norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
-    clip_obs: float = 10.0  # normalized observations are clipped to +-this
-    clip_reward: float = 10.0  # scaled rewards are clipped to +-this
 
     def validate(self) -> None:
         require_positive(self, "n_steps", "rollout_steps", "batch_size", "n_epochs", "max_grad_norm")
@@ -317,7 +309,8 @@ class Agent:
         layout = ppo.rollout_layout(cfg.n_steps, n, obs_space, action_space)
         self.buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
         # Each agent is its own learner: its normalization statistics are its own too.
-        self.collector = ppo.RolloutCollector(self.actor, self.envs, self.buf, slice(None), self.normalizer)
+        self.collector = ppo.RolloutCollector(self.actor, self.envs, self.buf, slice(None), self.normalizer,
+                                              cfg.seed + 7919 * self.index)
         self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * self.index + self.counters["updates"])
         self.stop_payload: dict = {}
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])

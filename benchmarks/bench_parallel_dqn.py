@@ -12,7 +12,6 @@ whatever else runs on it.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -54,10 +53,11 @@ def bench_cartpole(opts) -> None:
         result = run_training(["--config", str(ROOT / "configs" / "parallel_dqn_cartpole.yaml"), "--seed", str(seed),
                                "--num-workers", str(opts.workers), "--no-tensorboard",
                                *(opts.extra.split() if opts.extra else [])], out, opts.timeout)
+        result["solved_at_s"] = result["wall_time_s"] if result.get("stop_reason", "").startswith("target") else None
         rows.append((seed, result))
-        print(f"seed {seed}: solved_at_s={result.get('solved_at_s')} wall={result['process_wall_s']:.1f}s "
-              f"mean100={result.get('return_mean100')}", flush=True)
-    solved = [r.get("solved_at_s") for _, r in rows]
+        print(f"seed {seed}: solved_at_s={result['solved_at_s']} wall={result['process_wall_s']:.1f}s "
+              f"mean100={result.get('final_mean_return')}", flush=True)
+    solved = [r["solved_at_s"] for _, r in rows]
     times = [t if t is not None else float("inf") for t in solved]
     median = statistics.median(times)
     lines = ["# parallel_train_dqn.py: CartPole-v1 time to solve", "",
@@ -67,12 +67,12 @@ def bench_cartpole(opts) -> None:
              f"- before: {load_before}", f"- after: {machine_line()}",
              f"- command: `python benchmarks/bench_parallel_dqn.py cartpole --seeds {' '.join(map(str, opts.seeds))} "
              f"--workers {opts.workers}{' --extra ' + repr(opts.extra) if opts.extra else ''}`", "",
-             "| seed | solved at (s, training time) | process wall (s) | env steps | episodes | learner steps |",
+             "| seed | solved at (s, training time) | process wall (s) | env steps | episodes | gradient updates |",
              "|---|---|---|---|---|---|"]
     for seed, r in rows:
         at = f"{r['solved_at_s']:.1f}" if r.get("solved_at_s") is not None else "not solved"
         lines.append(f"| {seed} | {at} | {r['process_wall_s']:.1f} | {r.get('global_step')} | {r.get('episodes')} | "
-                     f"{r.get('learner_steps')} |")
+                     f"{r.get('updates')} |")
     shown = f"{median:.1f} s" if median != float("inf") else "not solved"
     lines += ["", f"**Median time to solve: {shown}** "
               f"(target: at most 30 s on 2 cores)"]
@@ -94,9 +94,9 @@ def bench_connect_four(opts) -> None:
              f"- before: {load_before}", f"- after: {machine_line()}",
              f"- command: `python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes} "
              f"--workers {opts.workers} --seed {opts.seed}{' --extra ' + repr(opts.extra) if opts.extra else ''}`",
-             f"- exit status {result['returncode']}, reason: {result.get('reason')}, "
+             f"- exit status {result['returncode']}, reason: {result.get('stop_reason')}, "
              f"episodes {result.get('episodes')}, "
-             f"env steps {result.get('global_step')}, learner steps {result.get('learner_steps')}", "",
+             f"env steps {result.get('global_step')}, gradient updates {result.get('updates')}", "",
              "| opponent | win (both seats) | win as first | win as second | draw | loss |",
              "|---|---|---|---|---|---|"]
     for opponent in ("random", "heuristic"):
@@ -119,8 +119,9 @@ def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -
     env = gym.make(env_id)
     net = QNetwork(env.observation_space, env.action_space, (256, 256))
     kwargs = {"opponent": "random"} if env_id == "ConnectFour-v0" else {}
-    manager = ParallelManager(WorkerSpec(env_id, 0, (256, 256), kwargs),
-                              ManagerConfig(num_workers=workers, games_per_worker=games), net.state_dict(), 0.1)
+    manager = ParallelManager(WorkerSpec(env_id, 0, env_kwargs=kwargs),
+                              parallel_config=ManagerConfig(num_workers=workers, games_per_worker=games), model=net,
+                              epsilon=0.1)
     try:
         manager.start_workers()
         manager.collect_experiences(timeout=60)  # warm up: every worker is running
@@ -138,41 +139,30 @@ def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -
 
 def learner_updates_per_second(hidden: tuple[int, ...], batch_size: int, obs_shape, actions: int, masked: bool,
                                updates: int = 500) -> float:
+    """Gradient updates per second of the learner both DQN scripts use (common.dqn.DQNLearner), one thread."""
     import gymnasium as gym
     import numpy as np
     import torch
 
-    from common.dqn import double_dqn_loss
+    from common.dqn import DQNLearner
     from common.networks import QNetwork
     from common.replay import ReplayBuffer
 
     torch.set_num_threads(1)
     obs_space = gym.spaces.Box(0, 1, obs_shape, np.float32)
-    q_net = QNetwork(obs_space, gym.spaces.Discrete(actions), hidden)
-    target = copy.deepcopy(q_net)
-    optimizer = torch.optim.Adam(q_net.parameters(), lr=1e-3)
+    learner = DQNLearner(QNetwork(obs_space, gym.spaces.Discrete(actions), hidden), torch.device("cpu"), 1e-3, 10.0,
+                         250)
     buffer = ReplayBuffer(50_000, obs_shape, np.float32, actions if masked else None, 0)
     rng = np.random.default_rng(0)
     n = 50_000
     buffer.add_batch(rng.random((n, *obs_shape), dtype=np.float32), rng.integers(0, actions, n),
                      rng.random(n, dtype=np.float32), rng.random((n, *obs_shape), dtype=np.float32),
                      rng.random(n) < 0.05, rng.random((n, actions)) < 0.9 if masked else None)
-
-    def step():
-        s = buffer.sample(batch_size)
-        loss, _ = double_dqn_loss(q_net, target, torch.as_tensor(s.obs), torch.as_tensor(s.actions),
-                                  torch.as_tensor(s.rewards), torch.as_tensor(s.next_obs), torch.as_tensor(s.dones),
-                                  0.99, torch.as_tensor(s.next_masks) if masked else None)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(q_net.parameters(), 10.0)
-        optimizer.step()
-
     for _ in range(50):
-        step()
+        learner.update(buffer, batch_size)
     started = time.perf_counter()
     for _ in range(updates):
-        step()
+        learner.update(buffer, batch_size)
     return updates / (time.perf_counter() - started)
 
 

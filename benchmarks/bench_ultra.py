@@ -41,20 +41,19 @@ def machine() -> str:
 
 def run(args: list[str], timeout: float) -> dict:
     """Run the script once in a fresh directory; returns summary.json, metrics rows and timings."""
+    result = {"load_before": load()}
     with tempfile.TemporaryDirectory(prefix="bench_ultra_") as tmp:
-        run_dir = Path(tmp) / "run"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        before = load()
+        command = [sys.executable, str(SCRIPT), *args, "--output-dir", f"{tmp}/run", "--no-tensorboard"]
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--output-dir", str(run_dir), "--no-tensorboard"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        process_s = time.monotonic() - started
+        proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True, timeout=timeout)
+        result["process_s"] = time.monotonic() - started
         if proc.returncode != 0:
             raise RuntimeError(f"run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
-        with open(run_dir / "metrics.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
-    return {"summary": summary, "rows": rows, "process_s": process_s, "load_before": before, "load_after": load()}
+        result["summary"] = json.loads(Path(tmp, "run", "summary.json").read_text())
+        with open(Path(tmp, "run", "metrics.csv"), newline="") as f:
+            result["rows"] = list(csv.DictReader(f))
+    return {**result, "load_after": load()}
 
 
 def first_at_least(rows: list[dict], key: str, threshold: float) -> dict | None:
@@ -129,8 +128,8 @@ def bench_throughput(seconds: float, replay_ratio: float | None) -> None:
     How much async can gain depends on the balance of the work: with a high replay ratio the
     learner's share dominates and overlapping it with collection saves little.
     """
-    learner = ["--config", str(CARTPOLE), "--target-return", "none", "--n-episodes", "100000000",
-               "--duration", str(seconds / 3600), "--eps-end", "0.02"]
+    learner = ["--config", str(CARTPOLE), "--target-return", "none", "--total-episodes", "none",
+               "--duration", str(seconds / 3600), "--epsilon-end", "0.02"]
     if replay_ratio is not None:
         learner += ["--replay-ratio", str(replay_ratio)]
     lines = ["| actors | mode | env steps/s | learner updates/s | learner samples/s | policy lag | load before | "
@@ -139,7 +138,7 @@ def bench_throughput(seconds: float, replay_ratio: float | None) -> None:
     for workers in (1, 2):
         for mode, flags in (("sync", ["--no-async-training"]), ("async", ["--async-training"]),
                             ("async, no rate limit", ["--async-training", "--no-rate-limit"])):
-            r = run([*learner, "--n-workers", str(workers), *flags], timeout=seconds + 120)
+            r = run([*learner, "--num-workers", str(workers), *flags], timeout=seconds + 120)
             s, rows = r["summary"], r["rows"]
             steady = rows[len(rows) // 4:] or rows  # skip the warm-up before learning starts
             updates = statistics.mean(float(x["updates_per_s"]) for x in steady)
@@ -175,7 +174,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each throughput run")
     parser.add_argument("--replay-ratio", type=float, default=None,
-                        help="throughput: learner replay ratio for both modes (default: the config's)")
+                        help="throughput: gradient updates per env transition for both modes (default: the config's)")
     args = parser.parse_args()
     if args.what in ("solve", "all"):
         bench_solve(args.seeds, args.solve_budget_s)

@@ -15,10 +15,21 @@ goes on with them and a saved policy acts on raw observations (``common.policy``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 EPSILON = 1e-8
+
+
+@dataclass
+class NormalizationSettings:
+    """The normalization fields every PPO script's config has (its config class derives from this one)."""
+
+    norm_obs: bool | None = None  # normalize observations by running statistics (None: on for Box actions)
+    norm_reward: bool | None = None  # divide rewards by the discounted return's std (None: on for Box actions)
+    clip_obs: float = 10.0  # normalized observations are clipped to +-this
+    clip_reward: float = 10.0  # scaled rewards are clipped to +-this
 
 
 class RunningMeanStd:

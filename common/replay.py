@@ -1,14 +1,18 @@
-"""A preallocated numpy replay buffer living in one process.
+"""Replay pieces both DQN scripts share: the sample, n-step returns, the memory plan, a local buffer.
 
-Layout (one row per transition, a ring over ``capacity`` rows): ``obs``, ``next_obs``,
-``actions``, ``rewards``, ``dones`` (terminal, i.e. no bootstrap; a time-limit
-truncation is not terminal), ``discounts`` (the factor of the bootstrapped value:
-gamma, or gamma**k for a k-step return) and, for environments with legal-action masks,
-``next_masks`` so that the target's max runs over legal next actions only. Whole
-episodes are added in one call (``add_episode``) from a compact form: T+1
-observations and T actions/rewards; as the whole episode is at hand, n-step returns
-cost nothing extra there. Memory is checked before allocation: a buffer
-that does not fit in the available RAM is refused with a one-line reason.
+:class:`ReplaySample` is what every replay buffer hands the learner (this module's
+:class:`ReplayBuffer`, living in one process, and the shared-memory buffer of
+:mod:`common.replay_shm`). :func:`nstep_returns` is the one n-step computation, used on
+whole episodes here and on the actors' rolling windows in the ultra mode.
+:func:`fit_buffer_size` decides a buffer's capacity against the RAM (and ``/dev/shm``) at
+hand before anything is allocated.
+
+The local buffer's layout (one row per transition, a ring over ``capacity`` rows): ``obs``,
+``next_obs``, ``actions``, ``rewards``, ``dones`` (terminal, i.e. no bootstrap; a time-limit
+truncation is not terminal), ``discounts`` (the factor of the bootstrapped value: gamma, or
+gamma**k for a k-step return) and, for environments with legal-action masks, ``next_masks``
+so that the target's max runs over legal next actions only. Whole episodes are added in one
+call (``add_episode``) from a compact form: T+1 observations and T actions/rewards.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.system import ram_shortfall
+from common.config import ConfigError
+from common.system import format_bytes, ram_shortfall, shm_shortfall
 
 
 class ReplayMemoryError(MemoryError):
@@ -26,14 +31,74 @@ class ReplayMemoryError(MemoryError):
 
 @dataclass
 class ReplaySample:
+    """A batch of transitions and where they came from (the one sample type of every buffer)."""
+
     obs: np.ndarray
     actions: np.ndarray
     rewards: np.ndarray
     next_obs: np.ndarray
     dones: np.ndarray
     discounts: np.ndarray
-    next_masks: np.ndarray | None
     indices: np.ndarray
+    next_masks: np.ndarray | None = None  # legal next actions (envs with action masks)
+    weights: np.ndarray | None = None  # importance-sampling weights (prioritized replay)
+    seq: np.ndarray | None = None  # the slots' sequence numbers when drawn (shared-memory buffer)
+    rejected: int = 0  # draws thrown away because their slot was being written
+
+
+def nstep_returns(rewards: np.ndarray, gamma: float, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n-step returns of a segment of rewards that ends with its last row (an episode's end).
+
+    ``rewards`` is ``[T]`` or ``[T, envs]``. Row t of the result is
+    ``sum_{i<k} gamma**i * rewards[t + i]`` with ``k = min(n, T - t)`` rewards, fewer at the end;
+    the second array is that ``k`` per row (the bootstrap value is discounted by ``gamma**k``).
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    steps = len(rewards)
+    k = np.minimum(n, steps - np.arange(steps))
+    padded = np.concatenate([rewards, np.zeros((n, *rewards.shape[1:]))])
+    returns = np.zeros_like(rewards)
+    for i in range(n):
+        returns += gamma**i * padded[i:i + steps]
+    return returns, k
+
+
+# ---------------------------------------------------------------------------- memory plan
+
+def fit_buffer_size(requested: int | None, default: int, bytes_per_transition: int, shared: bool = False,
+                    minimum: int = 1) -> tuple[int, str | None]:
+    """The capacity to allocate, checked against the RAM available now (and ``/dev/shm`` if ``shared``).
+
+    A size the user set (``requested``) that does not fit is refused (ConfigError: one line,
+    exit 2). Left unset, the capacity is ``default``, or as much as fits; the second value is
+    then a note to log. ``minimum`` is the least capacity the run can work with.
+    """
+    def shortfall(capacity: int) -> str | None:
+        nbytes = capacity * bytes_per_transition
+        what = f"a replay buffer of {capacity} transitions"
+        return ram_shortfall(nbytes, what) or (shm_shortfall(nbytes, what) if shared else None)
+
+    if requested is not None:
+        problem = shortfall(requested)
+        if problem:
+            raise ConfigError("buffer_size", requested, f"{problem}; lower it (or leave it unset to fit)")
+        return requested, None
+    capacity = default
+    while capacity > minimum and shortfall(capacity):
+        capacity = max(minimum, capacity // 2)
+    problem = shortfall(capacity)
+    if problem:
+        raise ConfigError("buffer_size", capacity, f"{problem}; the run needs at least this much")
+    if capacity == default:
+        return capacity, None
+    return capacity, (f"replay buffer: {capacity} transitions ({format_bytes(capacity * bytes_per_transition)}), "
+                      f"the most of the default {default} that fits this machine's "
+                      f"{'RAM and /dev/shm' if shared else 'RAM'}")
+
+
+def storage_dtype(observation_space) -> np.dtype:
+    """How a buffer stores observations: frames as the uint8 they are (4x less memory), the rest as float32."""
+    return np.dtype(np.uint8) if observation_space.dtype == np.uint8 else np.dtype(np.float32)
 
 
 def replay_bytes(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actions: int | None) -> int:
@@ -51,6 +116,8 @@ def check_replay_memory(capacity: int, obs_shape: tuple[int, ...], obs_dtype, nu
         raise ReplayMemoryError(shortfall)
     return needed
 
+
+# ---------------------------------------------------------------------------- the local buffer
 
 class ReplayBuffer:
     """Uniform-sampling ring buffer of transitions, preallocated after a RAM check.
@@ -113,23 +180,19 @@ class ReplayBuffer:
         With ``n_step`` > 1 the row of step t holds the discounted sum of rewards t..t+n-1
         (fewer at the episode's end), the observation n steps later and gamma**k.
         """
-        steps = len(actions)
-        t = np.arange(steps)
-        ahead = np.minimum(t + n_step, steps)  # index of the bootstrap observation
-        k = ahead - t
-        rewards = np.asarray(rewards, dtype=np.float64)
-        if n_step > 1:
-            padded = np.concatenate([rewards, np.zeros(n_step)])
-            returns = sum(gamma**i * padded[t + i] * (i < k) for i in range(n_step))
-        else:
-            returns = rewards
-        dones = (ahead == steps) & bool(terminated)
+        returns, k = nstep_returns(rewards, gamma, n_step)
+        ahead = np.arange(len(actions)) + k  # index of the bootstrap observation
+        dones = (ahead == len(actions)) & bool(terminated)
         next_masks = masks[ahead] if masks is not None else None
         self.add_batch(obs[:-1], actions, returns.astype(np.float32), obs[ahead], dones, next_masks,
                        (gamma**k).astype(np.float32))
 
-    def sample(self, batch_size: int) -> ReplaySample:
+    def sample(self, batch_size: int, beta: float | None = None) -> ReplaySample:
+        """``batch_size`` uniformly drawn transitions (``beta`` is for the prioritized buffer's interface)."""
         indices = self.rng.integers(0, self.size, size=batch_size)
-        return ReplaySample(self.obs[indices], self.actions[indices], self.rewards[indices],
-                            self.next_obs[indices], self.dones[indices], self.discounts[indices],
-                            self.next_masks[indices] if self.next_masks is not None else None, indices)
+        return ReplaySample(self.obs[indices], self.actions[indices], self.rewards[indices], self.next_obs[indices],
+                            self.dones[indices], self.discounts[indices], indices,
+                            next_masks=self.next_masks[indices] if self.next_masks is not None else None)
+
+    def update_priorities(self, sample: ReplaySample, td_abs: np.ndarray) -> None:
+        """Uniform sampling keeps no priorities (the learner calls this on every buffer)."""

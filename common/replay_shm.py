@@ -20,21 +20,23 @@ pulls the priorities of newly committed slots into it before sampling, so no two
 processes ever update the tree.
 
 If shared memory cannot be created (a tiny ``/dev/shm``, no permission) the same buffer
-lives in the learner's own memory and actors send it their transitions through a queue
-(:class:`QueueWriter`): slower, but the run goes on. :func:`make_replay` decides, after
-checking the buffer against available RAM and ``/dev/shm``.
+lives in the learner's own memory and actors send it their transitions as messages on their
+own pipe to the learner (:class:`MessageWriter`, backend ``"queue"``), which writes them in
+with :meth:`ReplayBuffer.receive`: slower, but the run goes on. A pipe has one reader and one
+writer, so an actor killed halfway through a message takes nothing down with it.
+:func:`make_replay` decides, after checking the buffer against available RAM and ``/dev/shm``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue as queue_module
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from common.replay import ReplaySample
 from common.shm import ArraySpec, SharedArray, attach_all
 from common.system import ram_shortfall, shm_shortfall
 
@@ -48,7 +50,7 @@ class ReplayTooLarge(ValueError):
 
 
 class SharedMemoryUnavailable(OSError):
-    """Shared memory cannot hold the buffer; the caller may fall back to a queue-fed buffer."""
+    """Shared memory cannot hold the buffer; the caller may fall back to a message-fed buffer."""
 
 
 @dataclass(frozen=True)
@@ -138,45 +140,33 @@ class SharedWriter:
     def add(self, batch: dict[str, np.ndarray]) -> None:
         write_batch(self.arrays, self.layout.part_capacity, self.writer, batch)
 
-    def close(self, flush: bool = True) -> None:
-        """Detach (``flush`` is for the queue writer's interface; shared writes are already visible)."""
+    def close(self) -> None:
+        """Detach (shared writes are already visible to the learner)."""
         self.arrays = {}
         for handle in self._handles:
             handle.close()
         self._handles = []
 
 
-class QueueWriter:
-    """Actor side of the fallback buffer: sends transition batches to the learner through a queue."""
+class MessageWriter:
+    """Actor side of the fallback buffer: sends transition batches to the learner on its pipe."""
 
-    def __init__(self, spec: dict[str, Any], writer: int, alive=lambda: True):
+    def __init__(self, spec: dict[str, Any], writer: int, link):
         self.layout: ReplayLayout = spec["layout"]
-        self.queue = spec["queue"]
-        self.writer = writer
-        self.alive = alive  # e.g. "is my parent still there", so a full queue cannot block forever
+        self.writer, self.link = writer, link
 
     def add(self, batch: dict[str, np.ndarray]) -> None:
-        item = (self.writer, {k: np.ascontiguousarray(v) for k, v in batch.items()})
-        while True:
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue_module.Full:
-                if not self.alive():
-                    raise ConnectionError("the learner is gone") from None
+        self.link.send("transitions", {k: np.ascontiguousarray(v) for k, v in batch.items()})
 
-    def close(self, flush: bool = True) -> None:
-        """``flush=False`` drops batches still in flight, so exit never waits on a learner that stopped reading."""
-        if not flush:
-            self.queue.cancel_join_thread()
-        self.queue.close()
+    def close(self) -> None:
+        """Nothing to release: the pipe is the worker's link."""
 
 
-def open_writer(spec: dict[str, Any], writer: int, alive=lambda: True):
-    """The writer an actor uses, whichever backend the learner chose."""
+def open_writer(spec: dict[str, Any], writer: int, link=None):
+    """The writer an actor uses, whichever backend the learner chose (``link``: its WorkerLink)."""
     if spec["backend"] == "shm":
         return SharedWriter(spec, writer)
-    return QueueWriter(spec, writer, alive)
+    return MessageWriter(spec, writer, link)
 
 
 # ------------------------------------------------------------------ sum tree
@@ -224,28 +214,12 @@ class SumTree:
 # ------------------------------------------------------------------ learner side
 
 @dataclass
-class Sample:
-    """A batch of consistent transitions, with where they came from and their IS weights."""
-
-    obs: np.ndarray
-    actions: np.ndarray
-    rewards: np.ndarray
-    next_obs: np.ndarray
-    dones: np.ndarray
-    discounts: np.ndarray
-    indices: np.ndarray
-    seq: np.ndarray
-    weights: np.ndarray | None = None
-    rejected: int = 0  # draws thrown away because their slot was being written
-
-
-@dataclass
 class ReplayBuffer:
     """Learner side: sampling, priorities and bookkeeping over shared or local arrays.
 
     Build one with :func:`make_replay`. ``writer_spec`` is what actors pass to
     :func:`open_writer`. Call ``sync()`` before sampling: it pulls new priorities into the
-    sum tree (shared memory) or drains the actors' queue (fallback).
+    sum tree. With the message backend, hand every ``transitions`` message to :meth:`receive`.
     """
 
     layout: ReplayLayout
@@ -255,7 +229,6 @@ class ReplayBuffer:
     alpha: float = 0.6  # how strongly priorities skew sampling (0 = uniform)
     priority_eps: float = 1e-3  # keeps every transition drawable
     _owned: list[SharedArray] = field(default_factory=list)
-    _queue: Any = None
     _seen: np.ndarray | None = None
     _tree: SumTree | None = None
     _rng: np.random.Generator = field(default_factory=np.random.default_rng)
@@ -280,10 +253,12 @@ class ReplayBuffer:
         """Transitions ever committed (including overwritten ones)."""
         return int(self.arrays["cursors"].sum())
 
-    def sync(self, max_items: int = 10_000) -> int:
+    def receive(self, writer: int, batch: dict[str, np.ndarray]) -> None:
+        """Write a batch an actor sent as a message (backend ``"queue"``) into its partition."""
+        write_batch(self.arrays, self.layout.part_capacity, writer, batch)
+
+    def sync(self) -> int:
         """Take in what actors committed since the last call; returns the number of new transitions."""
-        if self.backend == "queue":
-            self._drain(max_items)
         cursors = self.arrays["cursors"].copy()
         new = int((cursors - self._seen).sum())
         if self._tree is not None and new:
@@ -296,14 +271,6 @@ class ReplayBuffer:
             self._tree.update(slots, self._scaled(self.arrays["priorities"][slots]))
         self._seen = cursors
         return new
-
-    def _drain(self, max_items: int) -> None:
-        for _ in range(max_items):
-            try:
-                writer, batch = self._queue.get_nowait()
-            except queue_module.Empty:
-                return
-            write_batch(self.arrays, self.layout.part_capacity, writer, batch)
 
     def _scaled(self, priorities: np.ndarray) -> np.ndarray:
         return (np.abs(priorities.astype(np.float64)) + self.priority_eps) ** self.alpha
@@ -319,7 +286,7 @@ class ReplayBuffer:
         writer = np.searchsorted(ends, draws, side="right")
         return writer * self.layout.part_capacity + draws - (ends[writer] - filled[writer])
 
-    def sample(self, batch_size: int, beta: float = 0.4) -> Sample:
+    def sample(self, batch_size: int, beta: float = 0.4) -> ReplaySample:
         """Draw ``batch_size`` fully written transitions (uniform, or proportional to priority)."""
         if len(self) == 0:
             raise ValueError("cannot sample from an empty replay buffer")
@@ -342,9 +309,9 @@ class ReplayBuffer:
             probs = self._tree.leaves(indices) / max(self._tree.total(), 1e-12)
             weights = (len(self) * np.maximum(probs, 1e-12)) ** (-beta)
             weights = (weights / weights.max()).astype(np.float32)
-        return Sample(indices=indices, seq=seq_before, weights=weights, rejected=rejected, **data)
+        return ReplaySample(indices=indices, seq=seq_before, weights=weights, rejected=rejected, **data)
 
-    def update_priorities(self, sample: Sample, td_abs: np.ndarray) -> None:
+    def update_priorities(self, sample: ReplaySample, td_abs: np.ndarray) -> None:
         """New priorities for a sample, skipping slots that were overwritten since it was drawn."""
         if self._tree is None:
             return
@@ -365,20 +332,15 @@ class ReplayBuffer:
         self.sync()
 
     def close(self) -> None:
-        """Release shared memory (owner) and the queue. Safe to call twice."""
+        """Release shared memory (owner). Safe to call twice."""
         self.arrays = {}
         for handle in self._owned:
             handle.unlink()
         self._owned = []
-        if self._queue is not None:
-            self._queue.cancel_join_thread()
-            self._queue.close()
-            self._queue = None
 
 
-def make_replay(layout: ReplayLayout, backend: str = "auto", context=None, queue_size: int = 256,
-                alpha: float = 0.6) -> ReplayBuffer:
-    """Allocate the buffer: shared memory if possible (``auto``/``shm``), else a queue-fed local one.
+def make_replay(layout: ReplayLayout, backend: str = "auto", alpha: float = 0.6) -> ReplayBuffer:
+    """Allocate the buffer: shared memory if possible (``auto``/``shm``), else local, fed by messages.
 
     Raises ReplayTooLarge when it does not fit in RAM, SharedMemoryUnavailable when
     ``backend="shm"`` and shared memory cannot hold it. ``auto`` logs one line and falls back.
@@ -393,15 +355,11 @@ def make_replay(layout: ReplayLayout, backend: str = "auto", context=None, queue
         except SharedMemoryUnavailable as err:
             if backend == "shm":
                 raise
-            log.warning("shared memory unavailable (%s); falling back to a replay buffer in the learner "
-                        "fed through a queue", err)
+            log.warning("shared memory unavailable (%s); falling back to a replay buffer in the learner, "
+                        "fed with messages from the actors", err)
     check_fits(layout.nbytes(), shared=False)
-    if context is None:
-        from common.parallel import CONTEXT as context
     arrays = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.fields().items()}
-    q = context.Queue(maxsize=queue_size)
-    return ReplayBuffer(layout, arrays, "queue", {"backend": "queue", "layout": layout, "queue": q},
-                        alpha=alpha, _queue=q)
+    return ReplayBuffer(layout, arrays, "queue", {"backend": "queue", "layout": layout}, alpha=alpha)
 
 
 def _make_shared(layout: ReplayLayout, alpha: float) -> ReplayBuffer:

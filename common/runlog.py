@@ -58,19 +58,6 @@ class RunLock:
             self._fd = None
 
 
-def open_run_dir(run_dir: str | Path, logger_name: str = "prl") -> tuple[Path, RunLock]:
-    """Create the run directory tree, take its lock (exit 3 if held) and start logging."""
-    run_dir = Path(run_dir)
-    for sub in ("logs", "checkpoints", "plots"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir)
-    if not lock.acquire():
-        print(f"error: another run holds the lock on {run_dir} (see {lock.path})", file=sys.stderr)
-        sys.exit(EXIT_LOCKED)
-    setup_logging(run_dir / "logs" / "main.log", logger_name, console=True)
-    return run_dir, lock
-
-
 def setup_logging(path: Path, logger_name: str = "prl", console: bool = False,
                   level: int = logging.INFO) -> logging.Logger:
     """Log to ``path`` (appending, so a resumed run keeps its history) and optionally stderr."""

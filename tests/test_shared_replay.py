@@ -1,5 +1,5 @@
 """The shared-memory replay buffer: consistent samples under concurrent writers, wraparound,
-half-written slots of a killed writer, prioritized proportions, and the queue fallback."""
+half-written slots of a killed writer, prioritized proportions, and the message-fed fallback."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from common import replay_shm
-from common.parallel import CONTEXT
+from common import system
 from common.replay_shm import ReplayLayout, ReplayTooLarge, SharedMemoryUnavailable, SumTree, make_replay, open_writer
+from common.supervisor import CONTEXT
 
 OBS = (64,)  # wide rows, so a torn copy would show
 
@@ -41,7 +41,7 @@ def assert_consistent(sample) -> np.ndarray:
 
 def writer_process(spec, writer: int, batches: int, batch_size: int, die_mid_write: bool = False) -> None:
     replay = open_writer(spec, writer)
-    start = int(replay.arrays["cursors"][writer]) if spec["backend"] == "shm" else 0
+    start = int(replay.arrays["cursors"][writer])
     for b in range(batches):
         replay.add(transitions(writer, start + b * batch_size, batch_size))
     if die_mid_write:  # phase 1 of a write (slots marked odd, half the fields written), then a hard death
@@ -180,31 +180,36 @@ def test_prioritized_sampling_proportions():
         replay.close()
 
 
-@pytest.mark.timeout(60)
-def test_queue_fallback_when_shared_memory_is_too_small(monkeypatch, caplog):
-    monkeypatch.setattr(replay_shm, "shm_space", lambda: {"total": 1024, "free": 1024})
+class Link:
+    """Stands in for an actor's WorkerLink: what it sends arrives at the learner as a message."""
+
+    def __init__(self, replay, writer: int):
+        self.replay, self.writer = replay, writer
+
+    def send(self, kind: str, payload) -> None:
+        assert kind == "transitions"
+        self.replay.receive(self.writer, payload)
+
+
+def test_message_fed_fallback_when_shared_memory_is_too_small(caplog):
     layout = ReplayLayout(capacity=2 * 256, num_writers=2, obs_shape=OBS)
-    with pytest.raises(SharedMemoryUnavailable):
-        make_replay(layout, backend="shm")
-    replay = make_replay(layout, backend="auto")
+    with system.assumed_machine({"shm_free": 1024}):
+        with pytest.raises(SharedMemoryUnavailable):
+            make_replay(layout, backend="shm")
+        replay = make_replay(layout, backend="auto")
     try:
-        assert replay.backend == "queue"
-        assert "falling back" in caplog.text
-        procs = run_writers(replay.writer_spec, [(0, 10, 32), (1, 10, 32)])
-        deadline = time.monotonic() + 30
-        while replay.inserted() < 640 and time.monotonic() < deadline:
-            replay.sync()
-            time.sleep(0.01)
-        for p in procs:
-            p.join(10)
-            assert p.exitcode == 0
+        assert replay.backend == "queue" and "falling back" in caplog.text
+        for writer in (0, 1):
+            actor_side = open_writer(replay.writer_spec, writer, Link(replay, writer))
+            for start in range(0, 320, 32):
+                actor_side.add(transitions(writer, start, 32))
+        replay.sync()
         assert replay.inserted() == 640 and len(replay) == 512
         assert_consistent(replay.sample(300))
     finally:
         replay.close()
 
 
-def test_refuses_a_buffer_larger_than_ram(monkeypatch):
-    monkeypatch.setattr(replay_shm, "memory", lambda: {"total": 1 << 30, "available": 1 << 20})
-    with pytest.raises(ReplayTooLarge, match="lower --buffer-size"):
+def test_refuses_a_buffer_larger_than_ram():
+    with system.assumed_machine({"ram_available": 1 << 20}), pytest.raises(ReplayTooLarge, match="lower --buffer-size"):
         make_replay(ReplayLayout(capacity=100_000, num_writers=1, obs_shape=OBS), backend="auto")
