@@ -242,8 +242,8 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
     optimizer step (distributed training averages gradients there).
     """
     size = batch["obs"].shape[0]
-    clipfracs, approx_kl, old_approx_kl = [], torch.zeros(()), torch.zeros(())
-    pg_loss = v_loss = entropy_loss = torch.zeros(())
+    clipped, minibatches = torch.zeros(()), 0  # summed on the device; read once at the end (no per-step sync)
+    approx_kl = old_approx_kl = pg_loss = v_loss = entropy_loss = torch.zeros(())
     for _ in range(settings.n_epochs):
         order = torch.randperm(size, generator=generator)
         for start in range(0, size, settings.minibatch_size):
@@ -255,7 +255,8 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
             with torch.no_grad():
                 old_approx_kl = (-logratio).mean()
                 approx_kl = ((ratio - 1) - logratio).mean()
-                clipfracs.append(((ratio - 1.0).abs() > settings.clip_coef).float().mean().item())
+                clipped += ((ratio - 1.0).abs() > settings.clip_coef).float().mean()
+                minibatches += 1
 
             mb_advantages = batch["advantages"][mb_inds]
             if settings.norm_adv and mb_advantages.numel() > 1:
@@ -290,4 +291,4 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
         explained_var = 1.0 - (returns - values).var().item() / var_returns
     return {"policy_loss": pg_loss.item(), "value_loss": v_loss.item(), "entropy": entropy_loss.item(),
             "approx_kl": approx_kl.item(), "old_approx_kl": old_approx_kl.item(),
-            "clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0, "explained_variance": explained_var}
+            "clipfrac": clipped.item() / max(1, minibatches), "explained_variance": explained_var}
