@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.optim import FusedAdam
+
 MASKED_Q = -1e9  # stands in for -inf so masked actions never win a max and never make NaN
 PRECISIONS = ("auto", "bf16", "fp16", "off")
 
@@ -104,13 +106,16 @@ class DQNLearner:
         self.device = device
         self.q_net = q_net.to(device)
         self.target_net = copy.deepcopy(self.q_net).requires_grad_(False)
-        self.optimizer = torch.optim.Adam(self.q_net.parameters(), lr=learning_rate)
         self.max_grad_norm, self.grad_accum_steps = max_grad_norm, grad_accum_steps
         self.target_update_interval, self.tau = target_update_interval, tau
         self.precision = resolve_precision(precision, device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+        # The scaler needs a torch.optim optimizer; without it, the same fused Adam kernel without
+        # torch.optim's 1.6 s import of the compiler (common/optim.py).
+        self.optimizer = (torch.optim.Adam(self.q_net.parameters(), lr=learning_rate) if self.scaler.is_enabled()
+                          else FusedAdam(self.q_net.parameters(), lr=learning_rate))
         self.updates = 0
 
     @classmethod
