@@ -451,9 +451,11 @@ class Agent:
         score = float(np.mean(self.recent)) if self.recent else -math.inf
         self.link.send("pbt_ready", {"step": self.counters["global_step"], "score": score, "path": str(path),
                                      "hyper": dict(self.hyper)})
-        answer = self.link.receive(timeout=60.0)
+        # The answer comes once every running worker has reached this step: wait for the slowest.
+        answer = self.link.receive(timeout=self.cfg.worker_timeout_s)
         if answer is None:
-            self.log.warning("PBT: no answer from the coordinator within 60 s; continuing unchanged")
+            self.log.warning("PBT: no answer from the coordinator within %.0f s; continuing unchanged",
+                             self.cfg.worker_timeout_s)
             return
         command, payload = answer
         if command == "stop":
@@ -581,6 +583,7 @@ class Population:
         self.target, run.target_return = run.target_return, None
         self.pbt_events: list[dict] = (run.resumed or {}).get("pbt_events", [])
         self.pbt_rng = np.random.default_rng(cfg.seed + 17 + len(self.pbt_events))
+        self.pbt_waiting: dict[int, int] = {}  # worker -> the step at which it waits for the PBT answer
         self.leaderboard, self.baseline = [], None
         self.sources = [run.run_dir / "checkpoints"]
         if run.resume_path is not None and checkpoint_run_dir(run.resume_path) != run.run_dir:
@@ -653,7 +656,8 @@ class Population:
         elif kind == "update":
             self.record(index, payload)
         elif kind == "pbt_ready":
-            self.supervisor.send(index, "pbt", self.pbt(index, payload))
+            status.pbt_score, status.pbt_path, status.hyper = payload["score"], payload["path"], payload["hyper"]
+            self.pbt_waiting[index] = payload["step"]
         elif kind == "done":
             status.result = payload
             status.step, status.recent_return, status.sps = payload["step"], payload["recent_return"], payload["sps"]
@@ -663,6 +667,7 @@ class Population:
             status.diverged = payload["reason"]
             log.error("worker %d diverged: %s; it is stopped, the others go on", index, payload["reason"])
         elif kind == "restarted":
+            self.pbt_waiting.pop(index, None)  # the new process goes on from its checkpoint, not from the wait
             status.failures.append(payload.splitlines()[-1])
             latest = self.newest_checkpoint(index)
             log.info("worker %d continues from %s", index, latest.name if latest else "scratch (no checkpoint yet)")
@@ -671,6 +676,7 @@ class Population:
             status.failures.append(payload.splitlines()[-1])
         else:
             raise ValueError(f"worker {index} sent an unknown message {kind!r}")
+        self.pbt_round()
 
     def record(self, index: int, report: dict) -> None:
         """One worker's update: the population's counters, one metrics.csv row, the progress display."""
@@ -700,20 +706,26 @@ class Population:
             self.run.log.info("  worker %d: step %d%s, recent return %.3f, %s", index, s.step,
                               f"/{budget}" if budget else "", s.recent_return, state)
 
-    def pbt(self, index: int, report: dict) -> dict | None:
-        """Asynchronous PBT: once every worker has a score, one of the weakest copies one of the strongest."""
-        cfg, status = self.run.cfg, self.status[index]
-        status.pbt_score, status.pbt_path, status.hyper = report["score"], report["path"], report["hyper"]
-        donor = pbt_donor([s.pbt_score for s in self.status], index, cfg.pbt_fraction, self.pbt_rng)
-        if donor is None:
-            return None
-        hyper = perturb(self.status[donor].hyper, cfg.pbt_perturb, self.pbt_rng)
-        status.hyper = hyper
-        self.pbt_events.append({"step": report["step"], "worker": index, "copied": donor, "hyper": hyper})
+    def pbt_round(self) -> None:
+        """Synchronous PBT: once every running worker waits at a PBT step, the weakest copy the strongest."""
+        if not self.pbt_waiting or any(s.active and i not in self.pbt_waiting for i, s in enumerate(self.status)):
+            return
+        cfg, waiting = self.run.cfg, dict(sorted(self.pbt_waiting.items()))
+        self.pbt_waiting = {}
+        workers = list(waiting)
+        scores = [self.status[i].pbt_score for i in workers]
+        for position, index in enumerate(workers):
+            donor = pbt_donor(scores, position, cfg.pbt_fraction, self.pbt_rng)
+            answer = None if donor is None else self.pbt_copy(index, workers[donor], waiting[index])
+            self.supervisor.send(index, "pbt", answer)
+
+    def pbt_copy(self, index: int, donor: int, step: int) -> dict:
+        status, strong = self.status[index], self.status[donor]
+        status.hyper = perturb(strong.hyper, self.run.cfg.pbt_perturb, self.pbt_rng)
+        self.pbt_events.append({"step": step, "worker": index, "copied": donor, "hyper": status.hyper})
         self.run.log.info("PBT: worker %d (score %.3f) copies worker %d (score %.3f), new hyperparameters %s",
-                          index, report["score"], donor, self.status[donor].pbt_score, hyper)
-        return {"donor": donor, "donor_score": self.status[donor].pbt_score, "path": self.status[donor].pbt_path,
-                "hyper": hyper}
+                          index, status.pbt_score, donor, strong.pbt_score, status.hyper)
+        return {"donor": donor, "donor_score": strong.pbt_score, "path": strong.pbt_path, "hyper": status.hyper}
 
     def save(self) -> None:
         """``checkpoints/population.pt``: the population's counters (the workers save their own agents)."""
