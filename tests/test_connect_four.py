@@ -190,3 +190,24 @@ def test_vector_env_seats_and_determinism():
     assert env.reset().sum() == 0  # learner moves first: empty boards
     env = make_vec_env("ConnectFour-v0", 8, seed=1, opponent="random", learner_first=False)
     assert (env.reset()[:, 1].sum(axis=(1, 2)) == 1).all()  # one opponent disc each
+
+
+def test_rgb_array_frame_shows_the_discs_where_they_lie():
+    env = gym.make("ConnectFour-v0", render_mode="rgb_array", opponent=Scripted([0]))
+    assert "rgb_array" in env.metadata["render_modes"] and env.metadata["render_fps"] > 0
+    env.reset(seed=0, options={"learner_first": True})
+    empty = env.render()
+    assert empty.dtype == np.uint8 and empty.shape == (ROWS * 48, COLS * 48, 3)
+    env.step(3)  # learner (red) in column 3, opponent (yellow) replies in column 0, both on the bottom row
+    frame = env.render()
+    assert frame.shape == empty.shape and (frame != empty).any()
+
+    def centre(row_from_top, col):
+        return frame[row_from_top * 48 + 24, col * 48 + 24].tolist()
+
+    assert centre(ROWS - 1, 3) == [220, 40, 40] and centre(ROWS - 1, 0) == [245, 200, 30]
+    assert centre(ROWS - 2, 3) == centre(0, 0) == empty[24, 24].tolist()  # still empty cells
+    text = ConnectFourEnv(opponent=Scripted([0]), render_mode="ansi")
+    text.reset(seed=0, options={"learner_first": True})
+    text.step(3)
+    assert text.render().splitlines()[-2:] == ["O..X...", "0123456"]  # the text mode is still there

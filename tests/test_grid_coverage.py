@@ -129,3 +129,33 @@ def test_make_vec_env_reports_coverage_per_episode():
     for _ in range(25):
         episodes += env.step(np.random.default_rng(1).integers(0, 4, 8)).episodes
     assert episodes and all(0 < ep["coverage"] <= 1 and ep["length"] <= 10 for ep in episodes)
+
+
+def test_rgb_array_frame_shows_obstacles_visited_cells_and_the_agent():
+    env = gym.make("GridCoverage-v0", size=6, obstacle_density=0.3, render_mode="rgb_array")
+    assert "rgb_array" in env.metadata["render_modes"] and env.metadata["render_fps"] > 0
+    env.reset(seed=3)
+    state = env.unwrapped._state
+    first = env.render()
+    cell = 32  # 16 * (16 // 6)
+    assert first.dtype == np.uint8 and first.shape == (6 * cell, 6 * cell, 3)
+
+    def colour(frame, r, c, dr=2, dc=2):  # a pixel inside cell (r, c), off the grid lines and the agent disc
+        return tuple(frame[r * cell + dr, c * cell + dc].tolist())
+
+    obstacles = list(zip(*np.nonzero(state.obstacles[0])))
+    assert obstacles and all(colour(first, r, c) == (50, 50, 60) for r, c in obstacles)
+    start = tuple(state.pos[0])
+    assert tuple(first[start[0] * cell + cell // 2, start[1] * cell + cell // 2].tolist()) == (30, 90, 220)
+    for action in range(4):  # the first move that reaches a new cell
+        env.step(action)
+        if tuple(state.pos[0]) != start:
+            break
+    frame = env.render()
+    assert (frame != first).any()
+    assert colour(frame, *start, dr=cell // 2, dc=cell // 2) == (120, 200, 120)  # left behind: visited
+    unvisited = list(zip(*np.nonzero(~state.visited[0] & ~state.obstacles[0])))
+    assert all(colour(frame, r, c) == (250, 250, 250) for r, c in unvisited)
+    text = GridCoverageEnv(render_mode="ansi")
+    text.reset(seed=0)
+    assert text.render().count("A") == 1  # the text mode is still there

@@ -221,3 +221,28 @@ def test_cache_is_attached_not_copied(data):
         local.close()
     finally:
         shared.unlink_all()
+
+
+def test_rgb_array_chart_follows_prices_net_worth_and_lots(data):
+    env = gym.make("Market-v0", render_mode="rgb_array", data=data, **SMALL)
+    assert "rgb_array" in env.metadata["render_modes"] and env.metadata["render_fps"] > 0
+    env.reset(seed=0)
+    first = env.render()
+    assert first.dtype == np.uint8 and first.shape == (240, 320, 3)
+    lots_panel = first[208:]
+    assert (lots_panel == 255).all()  # nothing held: no bars
+    env.step(2)  # buy a lot of item 1 (the second of four)
+    frame = env.render()
+    assert env.unwrapped.core.lots[0].tolist() == [0, 1, 0, 0]
+    assert (frame != first).any()
+    bars = np.flatnonzero((frame[208:] != 255).any(axis=(0, 2)))
+    assert bars.min() >= 80 and bars.max() < 160  # 80 pixels a bar
+
+    def rightmost_line_pixel(f):  # price and net-worth lines: neither background white nor axis grey
+        line = ~((f[:208] == 255).all(axis=2) | (f[:208] == 170).all(axis=2))
+        return np.flatnonzero(line.any(axis=0)).max()
+
+    assert rightmost_line_pixel(frame) > rightmost_line_pixel(first)  # one step further to the right
+    text = MarketEnv(data=data, render_mode="ansi", **SMALL)
+    text.reset(seed=0)
+    assert text.render().startswith("step 0/40: net worth 10000.00")  # and a text mode

@@ -14,6 +14,9 @@ Reward: +1 win, -1 loss, 0 draw or game going on. One step is the learner's move
 the opponent's reply, so a game lasts at most 21 steps. ``result`` (1 win, 0 draw,
 -1 loss) is in ``info`` (single env) or ``info["final_info"]`` (vector env) when a
 game ends.
+
+Render modes of the single env: ``"ansi"`` (X learner, O opponent) and ``"rgb_array"`` (a blue
+board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from gymnasium.vector import AutoresetMode
 ROWS, COLS = 6, 7
 LEARNER, OPPONENT = 1, -1
 CENTRE_WEIGHTS = np.array([1, 2, 3, 4, 3, 2, 1], dtype=np.float64)
+CELL_PIXELS = 48  # a cell of the rgb_array picture (a multiple of 16, as video encoders like)
+DISC_COLOURS = {0: (235, 235, 235), LEARNER: (220, 40, 40), OPPONENT: (245, 200, 30)}
+BOARD_COLOUR = (30, 70, 200)
 
 
 class Player(Protocol):
@@ -87,6 +93,17 @@ def winning_moves(obs: np.ndarray, action_mask: np.ndarray, plane: int) -> np.nd
         trial[np.arange(legal.size), heights[legal, col], col] = piece
         out[legal, col] = wins(trial, piece)
     return out
+
+
+def draw_board(board: np.ndarray, cell: int = CELL_PIXELS) -> np.ndarray:
+    """The ``(6, 7)`` board (row 0 at the bottom) as a uint8 ``(6 * cell, 7 * cell, 3)`` picture."""
+    palette = np.array([DISC_COLOURS[OPPONENT], DISC_COLOURS[0], DISC_COLOURS[LEARNER]], dtype=np.uint8)
+    colours = palette[np.asarray(board, dtype=np.int64)[::-1] + 1]  # top row first, as a picture reads
+    centre = (np.arange(cell) - (cell - 1) / 2) ** 2
+    disc = centre[:, None] + centre[None, :] <= (0.4 * cell) ** 2
+    discs = np.tile(disc, (ROWS, COLS))
+    picture = colours.repeat(cell, axis=0).repeat(cell, axis=1)
+    return np.where(discs[:, :, None], picture, np.array(BOARD_COLOUR, dtype=np.uint8))
 
 
 # ------------------------------------------------------------------ fixed players
@@ -259,7 +276,7 @@ class ConnectFourEnv(gym.Env):
     ``reset(options={"learner_first": True/False})`` fixes the seat for that game.
     """
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 2}
 
     def __init__(self, opponent: Player | str | None = None, learner_first: bool | None = None,
                  render_mode: str | None = None):
@@ -324,4 +341,6 @@ class ConnectFourEnv(gym.Env):
         return observe(vec.boards)[0], result, terminated, False, info
 
     def render(self):
+        if self.render_mode == "rgb_array":
+            return draw_board(self._vec.boards[0])
         return self._vec.render_text(0)

@@ -15,6 +15,9 @@ the agent instead: ``(2, 2*size - 1, 2*size - 1)``, visited cells and blocked ce
 a value network learns far faster than from absolute coordinates.
 ``info["coverage"]`` is the visited fraction of the free cells.
 
+Render modes of the single env: ``"ansi"`` (A agent, # obstacle, . visited) and ``"rgb_array"``
+(uint8, white free cells, green visited ones, dark obstacles, a blue agent, grey grid lines).
+
 :class:`GridCoverageVectorEnv` steps thousands of copies in a handful of numpy calls and
 resets finished copies in the same step (``info["final_obs"]``). Copy ``i`` reset with
 seed ``s`` plays exactly the episodes of :class:`GridCoverageEnv` reset with ``s + i``.
@@ -31,6 +34,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 MOVES = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], dtype=np.int64)
 MIN_FREE_FRACTION = 0.5  # a layout whose reachable region is smaller than this is redrawn
 VIEWS = ("global", "egocentric")
+# rgb_array colours: free, visited, obstacle, agent, grid line
+FREE, VISITED, OBSTACLE, AGENT, LINE = (250, 250, 250), (120, 200, 120), (50, 50, 60), (30, 90, 220), (170, 170, 170)
 
 
 def observation_space(size: int, view: str) -> gym.spaces.Box:
@@ -151,6 +156,23 @@ class GridState:
         return new_cell
 
 
+def draw_grid(obstacles: np.ndarray, visited: np.ndarray, pos) -> np.ndarray:
+    """One grid as a uint8 ``(n * cell, n * cell, 3)`` picture; cells are a multiple of 16 pixels wide."""
+    n = obstacles.shape[0]
+    cell = 16 * max(1, 16 // n)
+    palette = np.array([FREE, VISITED, OBSTACLE], dtype=np.uint8)
+    kind = np.where(obstacles, 2, visited.astype(np.int64))
+    picture = palette[kind].repeat(cell, axis=0).repeat(cell, axis=1)
+    picture[::cell] = LINE
+    picture[:, ::cell] = LINE
+    picture[-1], picture[:, -1] = LINE, LINE
+    centre = (np.arange(cell) - (cell - 1) / 2) ** 2
+    agent = centre[:, None] + centre[None, :] <= (0.35 * cell) ** 2
+    r, c = int(pos[0]) * cell, int(pos[1]) * cell
+    picture[r:r + cell, c:c + cell][agent] = AGENT
+    return picture
+
+
 class _Rules:
     """Reward and episode-end settings shared by the single and the vectorized env."""
 
@@ -173,7 +195,7 @@ class _Rules:
 class GridCoverageEnv(_Rules, gym.Env):
     """One grid; see the module docstring for the rules."""
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 8}
 
     def __init__(self, size: int = 6, obstacle_density: float = 0.15, max_steps: int | None = None,
                  cell_reward: float = 1.0, step_cost: float = 0.05, coverage_bonus: float = 5.0,
@@ -197,6 +219,8 @@ class GridCoverageEnv(_Rules, gym.Env):
 
     def render(self):
         s = self._state
+        if self.render_mode == "rgb_array":
+            return draw_grid(s.obstacles[0], s.visited[0], s.pos[0])
         rows = []
         for r in range(self.size):
             row = ""

@@ -19,6 +19,12 @@ reward is the change in net worth (cash + lots at mid price) in percent of the i
 Both forms share one implementation (:class:`_MarketCore`, all numpy over a batch of
 copies): :class:`MarketEnv` is a single Gymnasium env, :class:`MarketVectorEnv` steps
 ``num_envs`` copies at once with same-step autoreset.
+
+Render modes of the single env: ``"ansi"`` (one line: step, net worth, cash, lots) and
+``"rgb_array"``, a uint8 ``(240, 320, 3)`` chart: on top each traded item's price relative to
+its price at the episode's start (from the observation window before it up to now), in the
+middle the net worth against the initial cash (grey line), at the bottom the lots held of
+each item (a bar per item, in its price line's colour, full height = ``max_lots``).
 """
 
 from __future__ import annotations
@@ -353,6 +359,63 @@ def attach_market_data(specs: dict[str, ArraySpec], item_names: list[str] | None
     return MarketData(prices, volumes, names, source="shared memory"), handles
 
 
+# ------------------------------------------------------------------------------- rendering
+
+CHART_WIDTH, PRICE_ROWS, WORTH_ROWS, LOTS_ROWS = 320, 128, 80, 32
+CHART_BACKGROUND, CHART_AXIS = (255, 255, 255), (170, 170, 170)
+ITEM_COLOURS = np.array([(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+                         (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)],
+                        dtype=np.uint8)
+
+
+def plot_line(panel: np.ndarray, values: np.ndarray, slots: int, lo: float, hi: float, colour) -> None:
+    """Draw ``values`` (the first of ``slots`` evenly spaced points across ``panel``) as a connected line."""
+    rows, width = panel.shape[:2]
+    if len(values) == 0:
+        return
+    position = np.arange(width) * (max(slots - 1, 1) / max(width - 1, 1))
+    drawn = position <= len(values) - 1
+    value = np.interp(position[drawn], np.arange(len(values)), values)
+    y = np.clip(np.round((rows - 1) * (hi - value) / max(hi - lo, 1e-12)), 0, rows - 1).astype(np.int64)
+    previous = np.concatenate([y[:1], y[:-1]])
+    top, bottom = np.minimum(y, previous), np.maximum(y, previous)
+    row = np.arange(rows)[:, None]
+    mask = np.zeros((rows, width), dtype=bool)
+    mask[:, drawn] = (row >= top) & (row <= bottom)
+    panel[mask] = colour
+
+
+def _value_range(*series: np.ndarray) -> tuple[float, float]:
+    values = np.concatenate([np.ravel(s) for s in series])
+    lo, hi = float(values.min()), float(values.max())
+    margin = max(0.1 * (hi - lo), 1e-3 * max(abs(hi), 1.0))
+    return lo - margin, hi + margin
+
+
+def draw_chart(prices: np.ndarray, slots: int, worth: np.ndarray, steps: int, lots: np.ndarray,
+               max_lots: int) -> np.ndarray:
+    """The rgb_array picture: ``prices`` [items, points so far of ``slots``] relative to their episode-start
+    value, net ``worth`` [points so far of ``steps`` + 1] relative to the initial cash, ``lots`` per item."""
+    chart = np.full((PRICE_ROWS + WORTH_ROWS + LOTS_ROWS, CHART_WIDTH, 3), CHART_BACKGROUND, dtype=np.uint8)
+    price_panel = chart[:PRICE_ROWS]
+    worth_panel = chart[PRICE_ROWS:PRICE_ROWS + WORTH_ROWS]
+    lots_panel = chart[PRICE_ROWS + WORTH_ROWS:]
+    lo, hi = _value_range(prices, np.ones(1))
+    plot_line(price_panel, np.ones(slots), slots, lo, hi, CHART_AXIS)
+    for i, series in enumerate(prices):
+        plot_line(price_panel, series, slots, lo, hi, ITEM_COLOURS[i % len(ITEM_COLOURS)])
+    lo, hi = _value_range(worth, np.ones(1))
+    plot_line(worth_panel, np.ones(steps + 1), steps + 1, lo, hi, CHART_AXIS)
+    plot_line(worth_panel, worth, steps + 1, lo, hi, (0, 0, 0))
+    chart[PRICE_ROWS - 1] = chart[PRICE_ROWS + WORTH_ROWS - 1] = CHART_AXIS
+    bar = CHART_WIDTH // max(len(lots), 1)
+    for i, held in enumerate(lots):
+        height = int(round((LOTS_ROWS - 4) * held / max(max_lots, 1)))
+        if height:
+            lots_panel[LOTS_ROWS - height:, i * bar + 2:(i + 1) * bar - 2] = ITEM_COLOURS[i % len(ITEM_COLOURS)]
+    return chart
+
+
 # ------------------------------------------------------------------------------ simulation
 
 @dataclass(frozen=True)
@@ -509,25 +572,40 @@ class MarketEnv(gym.Env):
     ``item_indices`` overrides the top-``top_n_items`` selection.
     """
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 30}
 
     def __init__(self, data: MarketData | None = None, data_specs: dict[str, ArraySpec] | None = None,
                  data_source: str = "synthetic", cache_dir: str = DEFAULT_CACHE_DIR, num_items: int = 200,
-                 history_steps: int = 20_000, data_seed: int = 0, item_indices=None, **params: Any):
+                 history_steps: int = 20_000, data_seed: int = 0, item_indices=None,
+                 render_mode: str | None = None, **params: Any):
         self.data, self._handles = _resolve_data(data, data_specs, data_source, cache_dir, num_items,
                                                  history_steps, data_seed)
         self.params = MarketParams(**params)
         self.core = _MarketCore(1, self.data, self.params, item_indices)
         self.observation_space, self.action_space = _spaces(self.core)
+        self.render_mode = render_mode
+        self._worth: list[float] = []  # net worth after each step of this episode (for rendering)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         self.core.reset(np.array([0]), [self.np_random])
+        self._worth = [float(self.core.net_worth[0])]
         return self.core.observe()[0], self._info()
 
     def step(self, action):
         rewards, done = self.core.step(np.asarray([action]))
+        self._worth.append(float(self.core.net_worth[0]))
         return self.core.observe()[0], float(rewards[0]), bool(done[0]), False, self._info()
+
+    def render(self):
+        core, p = self.core, self.params
+        if self.render_mode != "rgb_array":
+            return (f"step {len(self._worth) - 1}/{p.episode_length}: net worth {core.net_worth[0]:.2f}, "
+                    f"cash {core.cash[0]:.2f}, lots {core.lots[0].tolist()}")
+        start = int(core.end[0]) - p.episode_length
+        shown = np.asarray(core.prices[core.items, start - p.window:int(core.t[0]) + 1], dtype=np.float64)
+        return draw_chart(shown / shown[:, p.window:p.window + 1], p.window + p.episode_length + 1,
+                          np.asarray(self._worth) / p.initial_cash, p.episode_length, core.lots[0], p.max_lots)
 
     def _info(self) -> dict[str, Any]:
         return {key: value[0].item() for key, value in self.core.info().items()}
