@@ -9,8 +9,10 @@
 The env and the policy are rebuilt from what the run saved (the checkpoint's ``env`` and
 ``policy`` entries), so no other flag is needed. Episodes are played greedily on seeds the
 training never used. Besides the return, a built-in env reports its own score (ConnectFour win
-rates against the random and the heuristic player, GridCoverage coverage, Market profit).
-Exit status: 0, or 2 with one line for a path that holds no usable checkpoint.
+rates against the random and the heuristic player, GridCoverage coverage, Market profit). The report
+names the checkpoint it played, the script and step that wrote it and, for an agent of a population,
+its member number. Exit status: 0, or 2 with one line for a path that holds no usable checkpoint, an
+env that cannot be recorded (no rgb_array mode) or shown, or flags that exclude each other.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ def find_checkpoint(path: str | Path, member: int | None = None) -> Path:
     In a run directory: ``ultra_final_model.pth``, then ``best.pt`` (a population's best agent;
     with ``member`` the newest checkpoint of that worker), then the newest file in checkpoints/.
     """
-    from common.checkpoint import latest_checkpoint
-
     path = Path(path)
     if path.is_file():
+        if member is not None:
+            raise EvaluationError(f"--member {member} picks an agent of a population run directory; "
+                                  f"{path} is a checkpoint file")
         return path
     if not path.is_dir():
         raise EvaluationError(f"{path}: no such file or directory")
+    from common.checkpoint import latest_checkpoint  # (imports torch: only once a directory must be searched)
+
     if member is not None:
         found = latest_checkpoint(path / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
         if found is None:
@@ -66,20 +71,27 @@ def find_checkpoint(path: str | Path, member: int | None = None) -> Path:
     return found
 
 
-def load(path: Path, device: str = "cpu") -> tuple[Any, dict]:
-    """The policy and the env description (``{"id", "kwargs"}``) a checkpoint holds."""
+def load(path: Path, device: str = "cpu") -> tuple[Any, dict, dict]:
+    """The policy, the env description (``{"id", "kwargs"}``) and what else a checkpoint says about
+    itself (``script``, ``global_step``, and ``member`` for an agent of a population)."""
     from common.checkpoint import CheckpointError, load_checkpoint
-    from common.policy import load_policy
+    from common.policy import policy_from_state
 
     try:
-        state = load_checkpoint(path, required=("model", "policy"))
-        policy = load_policy(path, device)
+        state = load_checkpoint(path, map_location=device, required=("model", "policy"))
+        policy = policy_from_state(state, device)
     except CheckpointError as err:
         raise EvaluationError(str(err)) from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:  # a spec or weights this code cannot build
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise EvaluationError(f"{path}: cannot rebuild the policy ({reason})") from None
     env = state.get("env") or {"id": state.get("config", {}).get("env_id"), "kwargs": {}}
     if not env.get("id"):
         raise EvaluationError(f"{path}: the checkpoint does not say which env it was trained on")
-    return policy, env
+    about = {"script": state.get("script"), "global_step": state.get("counters", {}).get("global_step")}
+    if isinstance(state.get("worker"), int):
+        about["member"] = state["worker"]
+    return policy, env, {k: v for k, v in about.items() if v is not None}
 
 
 def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render: str | None = None,
@@ -97,9 +109,9 @@ def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render
     if video_dir and not render:
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # frames are drawn off screen: no display needed
     if render or video_dir:  # one env, wrapped, so that every frame is drawn or recorded
-        kwargs = {**env_kwargs, "render_mode": render or "rgb_array"}
-        wrap = (lambda env: _record(env, video_dir, env_id)) if video_dir else None
-        vec = make_vec_env(env_id, 1, seed, vectorize=False, wrap=wrap, **kwargs)
+        mode = render or "rgb_array"
+        vec = make_vec_env(env_id, 1, seed, vectorize=False, wrap=lambda env: _wrap(env, env_id, mode, video_dir),
+                           **{**env_kwargs, "render_mode": mode})
     else:
         vec = make_vec_env(env_id, min(episodes, MAX_ENVS), seed, **env_kwargs)
     try:
@@ -107,9 +119,8 @@ def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render
     finally:
         vec.close()
     if video_dir:  # the env reset once more after the last episode: drop that stub of a recording
-        for extra in Path(video_dir).glob(f"{_video_prefix(env_id)}-episode-*.mp4"):
-            if int(re.findall(r"\d+", extra.stem)[-1]) >= episodes:
-                extra.unlink()
+        for extra in videos(video_dir, env_id)[episodes:]:
+            extra.unlink()
     return played, np.concatenate(seen)[:256]
 
 
@@ -117,9 +128,23 @@ def _video_prefix(env_id: str) -> str:
     return re.sub(r"[^\w.-]", "_", env_id)
 
 
-def _record(env, video_dir: str, env_id: str):
+def videos(video_dir: str | Path, env_id: str) -> list[Path]:
+    """The recordings of ``env_id`` in ``video_dir``, in episode order."""
+    found = Path(video_dir).glob(f"{_video_prefix(env_id)}-episode-*.mp4")
+    return sorted(found, key=lambda p: int(re.findall(r"\d+", p.stem)[-1]))
+
+
+def _wrap(env, env_id: str, mode: str, video_dir: str | None):
+    """``env`` checked to render in ``mode``, and recording every episode into ``video_dir`` when given."""
     from gymnasium.wrappers import RecordVideo
 
+    modes = env.metadata.get("render_modes", [])
+    if mode not in modes:
+        env.close()
+        what = "recorded" if video_dir else "shown in a window"
+        raise EvaluationError(f"{env_id} cannot be {what}: it renders {', '.join(modes) or 'nothing'}, not {mode}")
+    if not video_dir:
+        return env
     return RecordVideo(env, video_dir, episode_trigger=lambda _: True, name_prefix=_video_prefix(env_id),
                        disable_logger=True)
 
@@ -181,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.episodes < 1:
         _usage(f"--episodes {args.episodes}: must be >= 1")
+    if args.render and args.video:
+        _usage("--render and --video exclude each other (a video is drawn off screen)")
     return args
 
 
@@ -191,19 +218,19 @@ def _usage(message: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        path = find_checkpoint(args.path, args.member)
-        policy, env = load(path, args.device)
-    except EvaluationError as err:
-        _usage(str(err))
     from common.envs.registry import EVALUATION_KWARGS
 
-    env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {})}
-    episodes, observations = play(policy, env["id"], env_kwargs, args.episodes, args.seed,
-                                  "human" if args.render else None, args.video)
-    result = {"checkpoint": str(path), **report(episodes, env["id"], env_kwargs, policy, args.seed)}
+    try:
+        path = find_checkpoint(args.path, args.member)
+        policy, env, about = load(path, args.device)
+        env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {})}
+        episodes, observations = play(policy, env["id"], env_kwargs, args.episodes, args.seed,
+                                      "human" if args.render else None, args.video)
+    except EvaluationError as err:
+        _usage(str(err))
+    result = {"checkpoint": str(path), **about, **report(episodes, env["id"], env_kwargs, policy, args.seed)}
     if args.video:
-        result["videos"] = sorted(str(p) for p in Path(args.video).glob("*.mp4"))
+        result["videos"] = [str(p) for p in videos(args.video, env["id"])]
     if args.export:
         result["export"] = export_onnx(policy, observations, args.export)
     print(json.dumps(result, indent=2) if args.json else _text(result))
@@ -211,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _text(result: dict) -> str:
-    lines = [f"{result['checkpoint']}: {result['env_id']}, {result['episodes']} greedy episodes",
+    member = f" (population member {result['member']})" if "member" in result else ""
+    lines = [f"{result['checkpoint']}{member}: {result['env_id']}, {result['episodes']} greedy episodes",
              f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
              f"mean length {result['mean_length']:.1f}"]
-    skip = {"checkpoint", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos", "export"}
+    skip = {"checkpoint", "member", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos",
+            "export"}
     for key, value in result.items():
         if key not in skip:
             shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value

@@ -56,7 +56,11 @@ class Policy(nn.Module):
 
 def load_policy(path: str | Path, device: str = "cpu") -> Policy:
     """The policy a checkpoint file holds, ready to act (eval mode, on ``device``)."""
-    state = load_checkpoint(path, map_location=device, required=("model", "policy"))
+    return policy_from_state(load_checkpoint(path, map_location=device, required=("model", "policy")), device)
+
+
+def policy_from_state(state: dict, device: str = "cpu") -> Policy:
+    """The policy of an already loaded checkpoint dict (its ``policy``, ``model`` and ``obs_norm`` entries)."""
     network = build_network(state["policy"])
     network.load_state_dict(state["model"])
     return Policy(network, state["policy"], state.get("obs_norm")).to(device).eval()
