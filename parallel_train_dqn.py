@@ -152,6 +152,7 @@ class DQNTrainer:
         self.pool = OpponentPool(cfg.pool_size, run.resumed.get("snapshots", []) if run.resumed else [])
         self.buffer = ReplayBuffer(cfg.buffer_size, env.observation_space.shape, storage_dtype(env.observation_space),
                                    env.action_space.n if env.action_mask else None, cfg.seed)
+        run.log.info("%s", self.buffer.describe())
         self.mirror = cfg.mirror_augment and cfg.env_id == "ConnectFour-v0"
         self.update_credit = 0.0  # gradient updates owed to the replay ratio, carried between iterations
         self.last_eval: dict[str, float] = {}

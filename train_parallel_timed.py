@@ -230,6 +230,7 @@ class PPOTrainer:
         rollout_arrays(arrays, cfg, env.observation_space, env.action_space, networks.flat_size(self.agent),
                        self.normalizer.size())
         self.buf = {key: arrays[key] for key in arrays.specs()}
+        run.log.info("%s", ppo.describe_rollout(self.buf, env.observation_space))
         seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
         # Workers start first: they import torch and build their envs while this process goes on.
         self.collector = (InProcessCollector(run, self.agent, self.buf, seed) if cfg.num_workers == 0

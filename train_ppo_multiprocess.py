@@ -316,6 +316,7 @@ class Agent:
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])
         log.info("worker %d: pid %d, device %s, %d envs of %s, hyperparameters %s", self.index, os.getpid(),
                  self.device, n, cfg.env_id, self.hyper)
+        log.info("worker %d %s", self.index, ppo.describe_rollout(self.buf, obs_space))
 
     # -- checkpoints
     def restore(self, path: str) -> None:

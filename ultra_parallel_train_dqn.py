@@ -379,6 +379,7 @@ class UltraTrainer:
         layout = ReplayLayout(cfg.buffer_size, cfg.num_workers, space.shape, storage_dtype(space).name, cfg.prioritized)
         replay = make_replay(layout, cfg.replay_backend, alpha=cfg.per_alpha)
         run.defer(replay.close)
+        run.log.info("%s", replay.describe())
         replay.seed(cfg.seed)
         replay_file = run.run_dir / "checkpoints" / "replay.npz"
         if run.resumed is not None and cfg.save_replay and replay_file.exists():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from common.normalize import Normalizer
+from common.replay import describe_observations
 
 
 def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
@@ -31,6 +32,11 @@ def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space)
         layout[key] = ((n_steps, num_envs), np.float32)
     layout["next_values"] = ((num_envs,), np.float32)
     return layout
+
+
+def describe_rollout(buf: dict[str, np.ndarray], observation_space) -> str:
+    """How a rollout holds its observations (``rollout: 128 x 8 x (4, 84, 84) uint8 observations, 28.9 MB``)."""
+    return describe_observations("rollout", [buf["obs"]], observation_space.shape)
 
 
 class TorchActing:

@@ -101,6 +101,16 @@ def storage_dtype(observation_space) -> np.dtype:
     return np.dtype(np.uint8) if observation_space.dtype == np.uint8 else np.dtype(np.float32)
 
 
+def describe_observations(what: str, arrays: list[np.ndarray], obs_shape: tuple[int, ...]) -> str:
+    """One log line on how a buffer really holds its observations, read from the arrays themselves:
+    ``replay: 20000 x (4, 84, 84) uint8 observations x 2 (obs, next_obs), 1129.0 MB`` (bytes of these arrays)."""
+    first = arrays[0]
+    rows = " x ".join(str(n) for n in first.shape[:first.ndim - len(obs_shape)])
+    copies = f" x {len(arrays)} (obs, next_obs)" if len(arrays) == 2 else ""
+    nbytes = sum(array.nbytes for array in arrays)
+    return f"{what}: {rows} x {tuple(obs_shape)} {first.dtype} observations{copies}, {nbytes / 1e6:.1f} MB"
+
+
 def replay_bytes(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actions: int | None) -> int:
     """Bytes a :class:`ReplayBuffer` of ``capacity`` transitions allocates."""
     obs_bytes = int(np.prod(obs_shape)) * np.dtype(obs_dtype).itemsize
@@ -196,3 +206,7 @@ class ReplayBuffer:
 
     def update_priorities(self, sample: ReplaySample, td_abs: np.ndarray) -> None:
         """Uniform sampling keeps no priorities (the learner calls this on every buffer)."""
+
+    def describe(self) -> str:
+        """How the observations are stored (dtype, shape, bytes): one line for the run's log."""
+        return describe_observations("replay", [self.obs, self.next_obs], self.obs.shape[1:])

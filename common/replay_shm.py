@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from common.replay import ReplaySample
+from common.replay import ReplaySample, describe_observations
 from common.shm import ArraySpec, SharedArray, attach_all
 from common.system import ram_shortfall, shm_shortfall
 
@@ -248,6 +248,11 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         return int(self.filled().sum())
+
+    def describe(self) -> str:
+        """How the observations are stored (dtype, shape, bytes, backend): one line for the run's log."""
+        line = describe_observations("replay", [self.arrays["obs"], self.arrays["next_obs"]], self.layout.obs_shape)
+        return f"{line} ({self.backend})"
 
     def inserted(self) -> int:
         """Transitions ever committed (including overwritten ones)."""
