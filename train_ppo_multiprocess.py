@@ -496,7 +496,14 @@ class Agent:
         cfg = self.cfg
         envs = envs_lib.make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                                      **split_kwargs(self.setup.env_kwargs, "eval", self.data, self.setup.item_indices))
-        act = policy_actions(self.actor, envs.single_action_space, cfg.eval_deterministic, self.normalizer)
+        policy = policy_actions(self.actor, envs.single_action_space, cfg.eval_deterministic, self.normalizer)
+
+        def act(obs: np.ndarray, masks) -> np.ndarray:
+            # Evaluation episodes can be long (a greedy Atari policy that never serves plays on until the
+            # 108k-frame limit): keep telling the coordinator we are alive, or it kills us as hung.
+            self.link.beat()
+            return policy(obs, masks)
+
         return evaluate(envs, act, cfg.eval_episodes, cfg.eval_seed)
 
 
