@@ -92,6 +92,23 @@ MODES = {
 
 # --------------------------------------------------------------------------- dependencies
 
+# Optional packages: what each enables and the requirements file that pins it (``packages`` are its lines
+# there; Box2D comes with requirements.txt's gymnasium[box2d], the rest with requirements-extras.txt).
+EXTRAS = [
+    {"extra": "Box2D", "modules": ["Box2D"], "packages": ["gymnasium[box2d]"], "file": "requirements.txt",
+     "enables": "LunarLander-v3, BipedalWalker-v3, CarRacing-v3"},
+    {"extra": "onnx", "modules": ["onnx", "onnxruntime", "onnxscript"], "file": "requirements-extras.txt",
+     "packages": ["onnx", "onnxruntime", "onnxscript"],
+     "enables": "python -m common.evaluate RUN --export policy.onnx (checked with onnxruntime)"},
+    {"extra": "moviepy", "modules": ["moviepy"], "packages": ["moviepy"], "file": "requirements-extras.txt",
+     "enables": "python -m common.evaluate RUN --video DIR (MP4 of evaluation episodes)"},
+    {"extra": "ale-py", "modules": ["ale_py", "cv2"], "packages": ["ale-py", "opencv-python-headless"],
+     "file": "requirements-extras.txt", "enables": "Atari ids such as ALE/Pong-v5 (configs/atari_*.yaml)"},
+    {"extra": "mujoco", "modules": ["mujoco"], "packages": ["mujoco"], "file": "requirements-extras.txt",
+     "enables": "MuJoCo tasks such as HalfCheetah-v5 (configs/halfcheetah.yaml)"},
+]
+
+
 def dependency_report() -> dict:
     """Each requirement: installed version or missing, and whether it satisfies the pin."""
     entries, missing = [], []
@@ -109,12 +126,8 @@ def dependency_report() -> dict:
         entries.append({"package": name, "required": spec or "any", "installed": version, "ok": ok})
         if not ok:
             missing.append(name)
-    extras = [
-        {"extra": "Box2D", "module": "Box2D", "enables": "LunarLander-v3, BipedalWalker-v3, CarRacing-v3"},
-        {"extra": "ale-py", "module": "ale_py", "enables": "Atari ids such as ALE/Pong-v5 (pip install ale-py)"},
-    ]
-    for extra in extras:
-        extra["installed"] = importlib.util.find_spec(extra["module"]) is not None
+    extras = [{**extra, "installed": all(importlib.util.find_spec(m) is not None for m in extra["modules"]),
+               "install_hint": f"pip install -r {extra['file']}"} for extra in EXTRAS]
     return {"packages": entries, "missing": missing, "torch_build": torch_build(), "extras": extras,
             "install_hint": "pip install -r requirements.txt" if missing else None}
 
@@ -448,8 +461,8 @@ def print_report(report: dict) -> None:
         print(f"  {'ok ' if p['ok'] else 'BAD'} {p['package']:<15} {state:<14} (requires {p['required']})")
     print(f"  torch build: {deps['torch_build'] or 'torch not installed'}")
     for extra in deps["extras"]:
-        print(f"  extra {extra['extra']:<7} {'installed' if extra['installed'] else 'not installed':<14} "
-              f"-> {extra['enables']}")
+        state = "installed" if extra["installed"] else f"not installed ({extra['install_hint']})"
+        print(f"  extra {extra['extra']:<7} -> {extra['enables']}: {state}")
     if deps["missing"]:
         print(f"  missing or wrong version: {', '.join(deps['missing'])} -> {deps['install_hint']}")
     print_system(facts)

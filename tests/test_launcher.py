@@ -228,6 +228,24 @@ def test_missing_package_exits_1_with_how_to_install(monkeypatch, capsys):
     assert "missing required packages: tqdm" in capsys.readouterr().err
 
 
+def test_every_extra_is_pinned_where_its_install_hint_says():
+    for extra in launcher.EXTRAS:
+        pinned = {line.split("==")[0].strip() for line in (ROOT / extra["file"]).read_text().splitlines()
+                  if line.strip() and not line.startswith("#")}
+        assert set(extra["packages"]) <= pinned, (extra["extra"], extra["file"])
+    optional = {extra["extra"] for extra in launcher.EXTRAS if extra["file"] == "requirements-extras.txt"}
+    assert optional == {"onnx", "moviepy", "ale-py", "mujoco"}
+
+
+def test_missing_extra_says_what_it_enables_and_how_to_install(monkeypatch, capsys):
+    real = launcher.importlib.util.find_spec
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: None if name == "ale_py" else real(name))
+    assert launcher.main(["--check-only"]) == 0
+    out = capsys.readouterr().out
+    assert ("extra ale-py  -> Atari ids such as ALE/Pong-v5 (configs/atari_*.yaml): not installed "
+            "(pip install -r requirements-extras.txt)") in out
+
+
 TINY = {
     "timed": ["--env-id", "CartPole-v1", "--num-workers", "1", "--num-envs-per-worker", "4", "--n-steps", "32",
               "--batch-size", "64", "--total-timesteps", "512", "--target-return", "none", "--no-tensorboard"],
