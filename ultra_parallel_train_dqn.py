@@ -276,7 +276,7 @@ class Actor:
         return shared["actor_steps"].sum() >= shared["control"][ALLOWED]  # rate limiter: the learner is behind
 
     def run(self) -> None:
-        link, last_report = self.link, time.monotonic()
+        link, last_report = self.link, 0.0  # the first finished episodes go out at once (a short run has no other)
         while not link.stop_requested:
             for command, _ in link.commands():
                 if command != "stop":
@@ -428,6 +428,7 @@ class UltraTrainer:
                     self.step_sync()
                 if time.monotonic() - self.window["time"] >= cfg.metrics_interval_s:
                     self.record()
+            self.poll(0.0)  # episodes already in the pipes belong to this run's last metrics row
         except WorkerFailed:
             self.save()  # the run cannot go on without that actor, but what it learned so far is kept
             raise

@@ -93,3 +93,15 @@ def no_leftovers():
         child.kill()
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
     assert not children, f"processes left behind: {[c.pid for c in children]}"
+
+
+def tensorboard_tags(tb_dir) -> set[str]:
+    """Scalar tags of every event file under ``tb_dir`` (CleanRL's names, as dashboards expect)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in tb_dir.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["scalars"])
+    return tags

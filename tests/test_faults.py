@@ -204,6 +204,9 @@ def test_worker_faults_then_ctrl_c_then_resume_and_a_second_run_is_locked_out(tm
     assert done["stop_reason"] == "interrupted" and done["worker_restarts"] == 3, done
     saved_steps = done["global_step"]
     assert sorted(run_dir.glob(script.checkpoints)), "no checkpoint written on Ctrl+C"
+    fresh = run_script(script.file, *script.tiny, "--output-dir", run_dir, *script.short, timeout=60)
+    assert fresh.returncode == 2 and "holds checkpoints of an earlier run; pass --resume auto" in fresh.stderr, \
+        fresh.stderr
 
     resumed = start(script, run_dir, "--resume", "auto", *script.short)
     try:
@@ -270,7 +273,24 @@ def test_worker_killed_during_startup_is_restarted_and_the_run_finishes(tmp_path
         kill_tree(proc)
     text = log_text(run_dir)
     assert re.search(r"worker 0 died: killed by signal SIGKILL", text) and "restarted worker 0" in text, text
-    assert summary(run_dir)["worker_restarts"] == 1
+    done = summary(run_dir)
+    assert done["worker_restarts"] == 1
+    # The same summary keys in every script, and a time budget that accounts for the whole process.
+    assert SUMMARY_KEYS <= set(done), SUMMARY_KEYS - set(done)
+    budget = done["time_budget"]
+    assert set(budget) == TIME_BUDGET_KEYS, budget
+    assert budget["startup_s"] > 0 and budget["collect_s"] + budget["learn_s"] + budget["wait_s"] > 0, budget
+    parts = sum(v for k, v in budget.items() if k != "process_s")
+    assert abs(parts - budget["process_s"]) < 0.01 + 1e-3 * budget["process_s"], budget
+    assert budget["process_s"] >= done["wall_time_s"], budget
+
+
+SUMMARY_KEYS = {"script", "env_id", "seed", "stop_reason", "exit_code", "global_step", "episodes", "updates",
+                "wall_time_s", "sps", "final_mean_return", "best_mean_return", "target_return", "num_workers",
+                "num_envs_per_worker", "worker_restarts", "world_size", "peak_rss_mb", "peak_pss_mb",
+                "resumed_from", "time_budget"}
+TIME_BUDGET_KEYS = {f"{part}_s" for part in ("startup", "collect", "learn", "wait", "checkpoint", "log", "shutdown",
+                                             "other", "process")}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_script, tensorboard_tags
 from torch import nn
 
 import parallel_train_dqn
@@ -141,9 +141,11 @@ def test_self_play_beats_random(tmp_path):
                         "--eval-interval", "0",
                         "--learning-rate", "1e-3", "--target-update-interval", "100", "--opponent-latest", "0.3",
                         "--opponent-snapshot", "0.2", "--opponent-random", "0.5", "--snapshot-interval", "10",
-                        "--no-tensorboard", "--output-dir", run, timeout=140)
+                        "--tensorboard", "--output-dir", run, timeout=140)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
+    tags = tensorboard_tags(run / "tb")
+    assert {"charts/episodic_return", "charts/epsilon", "losses/td_loss", "losses/q_values"} <= tags, sorted(tags)
     final = summary["final_eval"]
     # 100 greedy games from each seat; a random player wins about half its games against random
     assert final["eval_win_random"] > 0.65, final

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import ROOT, kill_tree, run_script, start_script
+from conftest import ROOT, kill_tree, run_script, start_script, tensorboard_tags
 
 from common.checkpoint import load_checkpoint
 
@@ -53,7 +53,10 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
     for path in ("config.yaml", "logs/main.log", "metrics.csv", "checkpoints/latest.pt", "summary.json",
                  "plots/training_curve.png"):
         assert (run_dir / path).is_file(), path
-    assert list((run_dir / "tb").iterdir()), "no TensorBoard events"
+    tags = tensorboard_tags(run_dir / "tb")
+    assert {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
+            "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac",
+            "losses/explained_variance", "charts/return_mean100", "prl/collect_sps"} <= tags, sorted(tags)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["num_workers"] == workers and config["env_id"] == env_id
     rows = metrics_rows(run_dir)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, tensorboard_tags
 
 from common import system
 from common.checkpoint import load_checkpoint
@@ -192,7 +192,7 @@ def test_message_fed_replay_prioritized_bf16_grid_coverage(tmp_path):
     proc = run_script(SCRIPT, "--env-id", "GridCoverage-v0", "--grid-size", "4", "--replay-backend", "queue",
                       "--prioritized", "--mixed-precision", "bf16", "--grad-accum-steps", "2", "--batch-size", "64",
                       "--num-workers", "2", "--num-envs-per-worker", "8", "--learning-starts", "500",
-                      "--total-timesteps", "6000", "--buffer-size", "4000", "--no-tensorboard",
+                      "--total-timesteps", "6000", "--buffer-size", "4000", "--tensorboard",
                       "--output-dir", tmp_path / "run", timeout=80)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = summary_of(tmp_path / "run")
@@ -202,3 +202,5 @@ def test_message_fed_replay_prioritized_bf16_grid_coverage(tmp_path):
     coverage = [float(r["coverage"]) for r in rows if r["coverage"]]
     assert coverage and all(0 < c <= 1 for c in coverage)
     assert int(rows[-1]["buffer_size"]) == 4000  # the learner wrote what the actors sent
+    tags = tensorboard_tags(tmp_path / "run" / "tb")
+    assert {"charts/episodic_return", "charts/SPS", "losses/td_loss", "prl/coverage"} <= tags, sorted(tags)
