@@ -217,9 +217,11 @@ class PPOTrainer:
         self.run, self.cfg, self.dist = run, cfg, dist
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
-        # Workers sit idle while the learner updates, so the update may use every core.
+        # Workers sit idle while the learner updates: --torch-threads 0 gives the update every core.
         torch.set_num_threads(cfg.torch_threads or threads_per_process(1))
-        self.device = torch.device(resolve_device(cfg.device))
+        # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
+        # with NCCL), whatever GPU --device names.
+        self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
         env = run.env
         self.agent = networks.ActorCritic(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
                                           cfg.activation, cfg.log_std_init)

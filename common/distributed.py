@@ -81,6 +81,9 @@ class TorchDistributed:
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.backend = backend
+        # NCCL reduces only tensors on this rank's own GPU: the learner lives there, and so does
+        # every tensor a collective here reduces (gloo reduces CPU tensors).
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.allreduce_seconds = 0.0  # time spent in gradient all-reduces (read and reset by the script)
         self.allreduce_bytes = 0
 
@@ -106,9 +109,9 @@ class TorchDistributed:
 
     def total(self, values: np.ndarray) -> np.ndarray:
         """The sum of ``values`` over all ranks (e.g. the moments of the normalization statistics)."""
-        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64), device=self.device)
         self._call("statistics all-reduce", self.dist.all_reduce, tensor)
-        return tensor.numpy()
+        return tensor.cpu().numpy()
 
     def gradient_hook(self, model: torch.nn.Module):
         """A callable for ``ppo_update(after_backward=...)``: one flat all-reduce of every gradient."""
@@ -144,7 +147,7 @@ class TorchDistributed:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if it is true on any (a signal that reached only some ranks)."""
-        tensor = torch.tensor([1.0 if flag else 0.0])
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self._call("flag all-reduce", self.dist.all_reduce, tensor, op=self.dist.ReduceOp.MAX)
         return bool(tensor.item() > 0)
 
