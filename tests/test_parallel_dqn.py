@@ -145,7 +145,8 @@ def test_self_play_beats_random(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     tags = tensorboard_tags(run / "tb")
-    assert {"charts/episodic_return", "charts/epsilon", "losses/td_loss", "losses/q_values"} <= tags, sorted(tags)
+    assert {"charts/episodic_return", "charts/epsilon", "charts/return_mean100", "losses/td_loss",
+            "losses/q_values"} <= tags, sorted(tags)
     final = summary["final_eval"]
     # 100 greedy games from each seat; a random player wins about half its games against random
     assert final["eval_win_random"] > 0.65, final
