@@ -473,6 +473,9 @@ class Agent:
             self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
             self.hyper = dict(payload["hyper"])
             self.normalizer.gamma = self.hyper["gamma"]
+            # The donor's optimizer state carries the donor's rate: ours is the perturbed one (annealed if on).
+            self.optimizer.param_groups[0]["lr"] = self.hyper["learning_rate"]
+            self.anneal_lr()
             self.counters["pbt_exploits"] += 1
             self.recent.clear()
             self.log.info("PBT: copied worker %d (score %.3f vs ours %.3f); hyperparameters now %s",

@@ -285,3 +285,20 @@ def test_pbt_the_weakest_copies_a_stronger_worker():
     assert tpm.pbt_donor([-3.0, 5.0, 1.0, 9.0], 3, 0.25, rng) is None  # the strongest keeps its weights
     assert tpm.pbt_donor([-3.0, 5.0, 1.0, 9.0], 1, 0.25, rng) is None  # the middle too
     assert tpm.pbt_donor([2.0, 2.0], 0, 0.5, rng) is None  # a copy must be better, not equal
+
+
+def test_a_pbt_copy_trains_with_its_own_perturbed_learning_rate(tmp_path):
+    """The donor's optimizer state carries the donor's rate; without annealing nothing else would reset it."""
+    out = tmp_path / "run"
+    proc = run_script(SCRIPT, "--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4",
+                      "--n-steps", "64", "--batch-size", "64", "--no-tensorboard", "--max-steps-per-worker", "4096",
+                      "--pbt-interval", "1024", "--pbt-fraction", "0.5", "--no-anneal-lr",
+                      "--learning-rate", "1e-3", "5e-4", "--eval-episodes", "2", "--output-dir", out, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = json.loads((out / "summary.json").read_text())["pbt_events"]
+    assert events, "no PBT copy happened"
+    metrics = read_csv(out / "metrics.csv")
+    for event in events:
+        after = [r for r in metrics if int(r["worker"]) == event["worker"] and int(r["worker_step"]) > event["step"]]
+        if after:  # the copier's next update uses the rate it was given
+            assert float(after[0]["learning_rate"]) == pytest.approx(event["hyper"]["learning_rate"]), event
