@@ -325,3 +325,28 @@ def test_fused_adam_is_bit_identical_to_torch_adam_and_shares_its_checkpoints():
     again.load_state_dict(reference.state_dict())
     assert other.state_dict()["state"][0]["step"].item() == 6 and again.steps[0].item() == 6
     assert torch.equal(again.exp_avg_sq[1], reference.state_dict()["state"][1]["exp_avg_sq"])
+
+
+def test_the_project_builds_as_a_package_with_the_envs_scripts_and_evaluate_command(tmp_path):
+    """``pip install -e .`` / ``pip install .`` work: one wheel holds common/, its envs, every script and
+    the ``prl-evaluate`` command (setuptools refuses a flat layout it cannot tell apart)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from conftest import ROOT
+
+    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "runs", "build", "*.egg-info", "__pycache__",
+                                                                "benchmarks", "tests"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(source)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("parallel_rl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("common/run.py", "common/envs/market.py", "common/envs/catch.py", "train_parallel_timed.py",
+                   "ultra_parallel_train_dqn.py", "launch_parallel_training.py", "compare_results.py"):
+        assert module in names, module
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "prl-evaluate = common.evaluate:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
