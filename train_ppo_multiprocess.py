@@ -361,7 +361,7 @@ class Agent:
         self.envs.seed += c["global_step"]
         self.collector.next_obs = self.envs.reset()
         while not self.done():
-            self.anneal_lr()
+            self.set_learning_rate()
             started = time.time()
             episodes = self.collector.collect(cfg.n_steps)
             c["global_step"] += rollout
@@ -401,11 +401,12 @@ class Agent:
             self.actor.load_state_dict(self.learner.state_dict())
         return {**stats, "update_ms": 1000 * (time.perf_counter() - started)}
 
-    def anneal_lr(self) -> None:
+    def set_learning_rate(self) -> None:
+        """This worker's own rate (PBT may have changed it), annealed over its step budget when anneal_lr is on.
+        Set before every update: a checkpoint or a PBT donor's optimizer state carries another rate."""
         budget = self.cfg.max_steps_per_worker
-        if self.cfg.anneal_lr and budget:
-            frac = max(0.0, 1.0 - self.counters["global_step"] / budget)
-            self.optimizer.param_groups[0]["lr"] = frac * self.hyper["learning_rate"]
+        frac = max(0.0, 1.0 - self.counters["global_step"] / budget) if self.cfg.anneal_lr and budget else 1.0
+        self.optimizer.param_groups[0]["lr"] = frac * self.hyper["learning_rate"]
 
     def crossed(self, every: int, rollout: int) -> bool:
         """Did the last rollout pass a multiple of ``every`` steps?"""
@@ -473,9 +474,6 @@ class Agent:
             self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
             self.hyper = dict(payload["hyper"])
             self.normalizer.gamma = self.hyper["gamma"]
-            # The donor's optimizer state carries the donor's rate: ours is the perturbed one (annealed if on).
-            self.optimizer.param_groups[0]["lr"] = self.hyper["learning_rate"]
-            self.anneal_lr()
             self.counters["pbt_exploits"] += 1
             self.recent.clear()
             self.log.info("PBT: copied worker %d (score %.3f vs ours %.3f); hyperparameters now %s",

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 from common.checkpoint import (
     CheckpointError,
@@ -330,13 +335,6 @@ def test_fused_adam_is_bit_identical_to_torch_adam_and_shares_its_checkpoints():
 def test_the_project_builds_as_a_package_with_the_envs_scripts_and_evaluate_command(tmp_path):
     """``pip install -e .`` / ``pip install .`` work: one wheel holds common/, its envs, every script and
     the ``prl-evaluate`` command (setuptools refuses a flat layout it cannot tell apart)."""
-    import shutil
-    import subprocess
-    import sys
-    import zipfile
-
-    from conftest import ROOT
-
     source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "runs", "build", "*.egg-info", "__pycache__",
                                                                 "benchmarks", "tests"))
