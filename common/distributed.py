@@ -31,6 +31,10 @@ class PeerFailure(RuntimeError):
     """Another rank died or stopped answering."""
 
 
+class PeerRefused(RuntimeError):
+    """This rank does not match rank 0 (other code, env or settings) and was turned away (exit 2)."""
+
+
 class SingleProcess:
     rank, world_size, local_rank, is_main = 0, 1, 0, True
     allreduce_seconds, allreduce_bytes = 0.0, 0
@@ -86,6 +90,28 @@ class TorchDistributed:
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.allreduce_seconds = 0.0  # time spent in gradient all-reduces (read and reset by the script)
         self.allreduce_bytes = 0
+        self.lost_peers: set[int] = set()  # ranks known dead: no barrier waits for them at the end
+        self.barrier_at_close = True  # the actor-learner modes (common.hub) end without one: a peer may be gone
+        self._p2p_group = None
+
+    @property
+    def p2p_group(self):
+        """The group for point-to-point messages of CPU tensors (common.hub): gloo, a group of its own
+        when the default one is NCCL."""
+        if self.backend == "gloo":
+            return None
+        if self._p2p_group is None:
+            self._p2p_group = self.dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return self._p2p_group
+
+    def peer_lost(self, rank: int) -> None:
+        self.lost_peers.add(rank)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        self._call("object gather", self.dist.all_gather_object, gathered, obj)
+        return gathered
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
@@ -154,7 +180,7 @@ class TorchDistributed:
     def close(self, abort: bool = False) -> None:
         if not self.dist.is_initialized():
             return
-        if abort:
+        if abort or self.lost_peers or not self.barrier_at_close:
             # A peer is gone: a barrier would wait for it until the timeout.
             self.dist.destroy_process_group()
             return

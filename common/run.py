@@ -58,7 +58,7 @@ from common.config import (
     save_config,
     to_dict,
 )
-from common.distributed import PeerFailure
+from common.distributed import PeerFailure, PeerRefused
 from common.runlog import (
     EXIT_LOCKED,
     MetricsWriter,
@@ -590,6 +590,8 @@ def prepare(mode: Mode, argv: list[str] | None) -> tuple[Any, EnvInfo, Path, Pat
     env = mode.probe(cfg) if mode.probe else probe_env(cfg.env_id, env_kwargs_of(mode, cfg), mode.actions, cfg.seed)
     if mode.check is not None:
         mode.check(cfg, env)
+    if cfg.resume is None and mode.distributed and elastic_restarts() > 0:
+        cfg.resume = "auto"  # torchrun restarted the job (--max-restarts): continue from its newest checkpoint
     resume_path, state = (None, None)
     if not (mode.distributed and torchrun_rank() > 0):  # rank 0 loads it and hands it to the others
         resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires)
@@ -599,6 +601,11 @@ def prepare(mode: Mode, argv: list[str] | None) -> tuple[Any, EnvInfo, Path, Pat
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("output_dir", str(run_dir), "is a file, not a directory")
     return cfg, env, run_dir, resume_path, state, actions.validate_only
+
+
+def elastic_restarts() -> int:
+    """How many times torchrun has restarted this job's workers (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def torchrun_rank() -> int:
@@ -704,6 +711,10 @@ def execute(mode: Mode, run: Run) -> int:
     except WorkerFailed as err:
         log.error("training failed: %s", err)
         exit_code, reason = EXIT_FAILED, f"failed: {err}"
+    except PeerRefused as err:
+        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        exit_code, reason, save = EXIT_BAD_CONFIG, f"refused: {err}", False
     except PeerFailure as err:
         log.error("training failed: %s", err)
         exit_code, reason, save = EXIT_FAILED, f"failed: {err}", False
