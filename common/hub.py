@@ -292,7 +292,12 @@ class Hub:
             return
         why = self.schema.check(arrays)
         if why is not None:
-            self._lose(peer.rank, f"sent data that does not fit: {why}")
+            why = f"sent data that does not fit: {why}"
+            try:  # tell it, so that it ends now with this line rather than at the timeout
+                _send(self.dist.dist, self.group, peer.rank, {"refused": why}, {})
+            except Exception:
+                pass
+            self._lose(peer.rank, why)
             return
         peer.messages, peer.bytes, peer.last_seen = peer.messages + 1, peer.bytes + nbytes, time.monotonic()
         peer.rows += len(next(iter(arrays.values()))) if arrays else 0
@@ -376,6 +381,8 @@ class Spoke:
         except Exception as err:
             raise PeerFailure(f"rank {self.dist.rank}: rank 0 (the learner) is gone or silent for "
                               f"{COLLECTIVE_TIMEOUT_S:.0f} s ({_first_line(err)})") from None
+        if "refused" in reply:
+            raise PeerRefused(f"rank {self.dist.rank} refused by rank 0: it {reply['refused']}")
         return Reply(reply.get("control", {}), got.get("params"), int(reply.get("version", -1)), reply.get("stop"))
 
 
