@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,9 +70,21 @@ class Schema:
     """The arrays a message may carry; every array of one message has the same number of rows."""
 
     fields: dict[str, Field]
+    # What the fields cannot say (where episodes begin and end, the info's numbers): (info, arrays) ->
+    # why the message does not fit, or None. Runs after the field checks, on every message.
+    rule: Callable[[dict, dict[str, np.ndarray]], str | None] | None = None
 
-    def check(self, arrays: dict[str, np.ndarray]) -> str | None:
-        """Why ``arrays`` do not fit (None when they do)."""
+    def check(self, arrays: dict[str, np.ndarray], info: dict | None = None) -> str | None:
+        """Why ``arrays`` (and ``info``, for the rule) do not fit (None when they do)."""
+        why = self._check_fields(arrays)
+        if why is not None or self.rule is None:
+            return why
+        try:
+            return self.rule(info or {}, arrays)
+        except Exception as err:  # a rule tripping over a malformed message refuses it, never the hub
+            return f"a message the rule cannot read ({type(err).__name__}: {err})"
+
+    def _check_fields(self, arrays: dict[str, np.ndarray]) -> str | None:
         unknown = set(arrays) - set(self.fields)
         if unknown:
             return f"unknown array(s) {sorted(unknown)}"
@@ -194,6 +206,7 @@ class PeerStats:
     last_seen: float = field(default_factory=time.monotonic)
     lost: str | None = None  # why the hub stopped talking to this rank
     params_version: int = -1  # the newest parameters this rank was sent
+    arrays_version: int = -1  # the newest published arrays (see Hub.publish) this rank was sent
     stopped: bool = False  # it got the final reply
 
 
@@ -210,6 +223,8 @@ class Hub:
         self._control: dict[str, Any] = {}
         self._params: np.ndarray | None = None
         self._version = -1
+        self._arrays: dict[str, np.ndarray] = {}
+        self._arrays_version = -1
         self._final: dict | None = None
         self._thread: threading.Thread | None = None
         self.lost_events: list[dict] = []  # [{"rank", "reason", "wall"}], read by the trainer for the summary
@@ -235,14 +250,22 @@ class Hub:
         self._thread.start()
 
     # -- the learner's side
-    def publish(self, control: dict | None = None, params: np.ndarray | None = None) -> None:
-        """What the next replies carry: ``control`` (merged) and, when given, new parameters."""
+    def publish(self, control: dict | None = None, params: np.ndarray | None = None,
+                arrays: dict[str, np.ndarray] | None = None) -> None:
+        """What the next replies carry: ``control`` (merged) and, when given, new parameters; ``arrays``
+        (e.g. self-play snapshots) replace the last ones as a version of their own, which each spoke
+        is sent once. Given in one call, control and arrays reach a spoke in the same reply."""
         with self._lock:
             if control:
                 self._control.update(control)
             if params is not None:
                 self._params = np.array(params, dtype=np.float32, copy=True)
                 self._version += 1
+            if arrays is not None:
+                if "params" in arrays:
+                    raise ValueError("'params' is published as params=, not among arrays=")
+                self._arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
+                self._arrays_version += 1
 
     def drain(self, timeout: float = 0.0) -> list[Message]:
         """Every message that arrived (waiting up to ``timeout`` for the first)."""
@@ -290,7 +313,7 @@ class Hub:
         except Exception as err:
             self._lose(peer.rank, _first_line(err))
             return
-        why = self.schema.check(arrays)
+        why = self.schema.check(arrays, info)
         if why is not None:
             why = f"sent data that does not fit: {why}"
             try:  # tell it, so that it ends now with this line rather than at the timeout
@@ -307,15 +330,21 @@ class Hub:
             reply = {"control": dict(self._control), "version": self._version}
             final = self._final
             params = self._params if self._version > peer.params_version else None
+            extra = self._arrays if self._arrays_version > peer.arrays_version else None
+            if extra is not None:
+                reply["arrays_version"] = self._arrays_version
         if final is not None:
             reply["stop"] = final
         try:
-            _send(self.dist.dist, self.group, peer.rank, reply, {} if params is None else {"params": params})
+            _send(self.dist.dist, self.group, peer.rank, reply,
+                  {**(extra or {}), **({} if params is None else {"params": params})})
         except Exception as err:
             self._lose(peer.rank, _first_line(err))
             return
         if params is not None:
             peer.params_version = reply["version"]
+        if extra is not None:
+            peer.arrays_version = reply["arrays_version"]
         peer.stopped = final is not None
 
     def _put(self, message: Message) -> None:
@@ -354,6 +383,8 @@ class Reply:
     params: np.ndarray | None
     version: int
     stop: dict | None  # rank 0 has stopped the run: {"reason", "exit_code"}
+    arrays: dict[str, np.ndarray] | None = None  # the arrays rank 0 published, when newer than the last ones
+    arrays_version: int = -1  # their version (-1: this reply carries none)
 
 
 class Spoke:
@@ -383,7 +414,9 @@ class Spoke:
                               f"{COLLECTIVE_TIMEOUT_S:.0f} s ({_first_line(err)})") from None
         if "refused" in reply:
             raise PeerRefused(f"rank {self.dist.rank} refused by rank 0: it {reply['refused']}")
-        return Reply(reply.get("control", {}), got.get("params"), int(reply.get("version", -1)), reply.get("stop"))
+        arrays_version = int(reply.get("arrays_version", -1))
+        return Reply(reply.get("control", {}), got.pop("params", None), int(reply.get("version", -1)),
+                     reply.get("stop"), got if arrays_version >= 0 else None, arrays_version)
 
 
 def rows_of(arrays: Iterable[np.ndarray]) -> int:
