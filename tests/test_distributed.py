@@ -87,3 +87,37 @@ def test_a_killed_rank_ends_the_job_with_an_error(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         proc.stdout.close()
+
+
+@pytest.mark.timeout(240)
+def test_max_restarts_resumes_from_the_newest_checkpoint(tmp_path):
+    """torchrun --max-restarts 1: a rank killed mid-run, every rank restarted, the run continues its checkpoint."""
+    run_dir = tmp_path / "elastic"
+    command = torchrun(*TINY, "--total-timesteps", 12_800, "--checkpoint-interval-s", 0.5, "--output-dir", run_dir)
+    command[command.index("--standalone"):command.index("--standalone") + 1] = ["--standalone", "--max-restarts", "1",
+                                                                                "--monitor-interval", "0.5"]
+    proc = subprocess.Popen(command, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ((run_dir / "checkpoints" / "latest.pt").exists()
+                                                   and len(rows(run_dir)) >= 4):
+            time.sleep(0.2)
+        killed_at = len(rows(run_dir))
+        ranks = [c for c in psutil.Process(proc.pid).children() if "train_parallel_timed" in " ".join(c.cmdline())]
+        next(c for c in ranks if c.environ().get("RANK") == "1").kill()
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, output[-3000:]
+    log = (run_dir / "logs" / "main.log").read_text()
+    assert "resumed from" in log and str(run_dir / "checkpoints" / "latest.pt") in log
+    resumed_at = int(re.findall(r"resumed from .* at step (\d+)", log)[0])
+    assert resumed_at > 0
+    steps = [int(r["global_step"]) for r in rows(run_dir)]
+    assert steps[-1] >= 12_800 and len(steps) > killed_at
+    # The rows after the restart continue the checkpoint's step count (a fresh start would begin at 256 again).
+    per_update = 2 * 32 * 4
+    assert resumed_at + per_update in steps[killed_at - 1:], (resumed_at, steps)
