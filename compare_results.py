@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from common.config import unusable_directory
 from common.runlog import CORE_COLUMNS, read_metrics
 
 EXIT_USAGE = 2
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = ([args.sequential] if args.sequential else []) + args.runs + args.parallel
     if len(paths) < 1:
         parser.error("give at least one run directory (or --sequential DIR --parallel DIR)")
+    unusable = unusable_directory(args.output)
+    if unusable:
+        parser.error(f"--output {args.output} {unusable}")
     try:
         runs = [load_run(p) for p in paths]
     except ValueError as err:

@@ -273,3 +273,24 @@ def require_env_id(env_id: str) -> None:
         close = [k for k in gym.registry if env_id.split("-")[0].lower() in k.lower()][:5]
         hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.registry for ids"
         raise ConfigError("env_id", env_id, f"not a registered Gymnasium id{hint}")
+
+
+def unusable_directory(path: str | Path) -> str | None:
+    """Why ``path`` cannot be (or become) a directory this process writes into; None when it can.
+
+    Checks without creating anything: the path itself, or the nearest part of it that exists, must
+    be a directory this process may write to.
+    """
+    import os
+
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be created or written: no write permission on {existing}"
+    return None

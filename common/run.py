@@ -57,6 +57,7 @@ from common.config import (
     require_positive,
     save_config,
     to_dict,
+    unusable_directory,
 )
 from common.distributed import PeerFailure, PeerRefused
 from common.runlog import (
@@ -598,8 +599,9 @@ def prepare(mode: Mode, argv: list[str] | None) -> tuple[Any, EnvInfo, Path, Pat
     if resume_path is not None and cfg.output_dir is None:
         cfg.output_dir = str(checkpoint_run_dir(resume_path))
     run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(mode.script, cfg.env_id, cfg.seed)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError("output_dir", str(run_dir), "is a file, not a directory")
+    unusable = unusable_directory(run_dir) if torchrun_rank() == 0 else None  # rank 0 alone writes it
+    if unusable:
+        raise ConfigError("output_dir", str(run_dir), unusable)
     return cfg, env, run_dir, resume_path, state, actions.validate_only
 
 
