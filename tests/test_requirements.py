@@ -1,0 +1,40 @@
+"""requirements*.txt state ranges, constraints.txt pins one point inside them, the launcher checks ranges."""
+
+from __future__ import annotations
+
+import re
+
+import launch_parallel_training as launcher
+import pytest
+from conftest import ROOT
+
+
+def entries(name: str) -> dict[str, str]:
+    out = {}
+    for line in (ROOT / name).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            match = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(.*)", line)
+            out[match.group(1).lower()] = match.group(3)
+    return out
+
+
+def test_every_pin_lies_inside_its_range_and_every_range_is_pinned():
+    pins = entries("constraints.txt")
+    for name in ("requirements.txt", "requirements-extras.txt", "requirements-test.txt"):
+        for package, spec in entries(name).items():
+            assert spec and not spec.startswith("=="), f"{name}: {package} is pinned, not a range"
+            assert package in pins, f"{package} has no exact version in constraints.txt"
+            assert launcher._satisfies(pins[package][2:], spec), (package, pins[package], spec)
+
+
+def test_test_only_packages_are_not_runtime_requirements():
+    runtime = entries("requirements.txt")
+    assert not {"pytest", "pytest-timeout"} & set(runtime)
+    assert {"pytest", "pytest-timeout"} <= set(entries("requirements-test.txt"))
+
+
+@pytest.mark.parametrize("version, ok", [("2.13.0", True), ("2.12.0+cu126", True), ("2.8.0a0+5228986c39.nv25.05", True),
+                                         ("2.4.0", True), ("2.3.1", False), ("3.0.0", False)])
+def test_the_launcher_accepts_any_torch_build_inside_the_range(version, ok):
+    assert launcher._satisfies(version, entries("requirements.txt")["torch"]) is ok
