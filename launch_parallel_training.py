@@ -7,6 +7,7 @@
     python launch_parallel_training.py --mode timed --dry-run --duration 1
     python launch_parallel_training.py --assume-facts configs/machines/workstation_128core_1gpu.json --check-only
     python launch_parallel_training.py --tune [--run]      # measure worker counts instead of guessing
+    python launch_parallel_training.py --nnodes 2          # print the torchrun command of every node and a SLURM script
 
 Every machine fact (cores, RAM, /dev/shm, GPUs, open-files limit) comes from
 ``common.system.machine()``; ``--assume-facts FILE.json`` replaces some of them, for the launcher
@@ -623,6 +624,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--tune", action="store_true", help="measure worker counts and envs per worker")
     parser.add_argument("--run", action="store_true", help="with --tune: run the fastest setting afterwards")
     parser.add_argument("--trial-seconds", type=float, default=8.0, help="--tune: seconds per trial")
+    nodes = parser.add_argument_group("past one machine (print the commands, run nothing)")
+    nodes.add_argument("--nnodes", type=int, metavar="N",
+                       help="print the torchrun command for each of N nodes like this one, and a SLURM batch script")
+    nodes.add_argument("--nproc-per-node", type=int, metavar="M", help="ranks per node (default: decided per mode)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST[:PORT]",
+                       help=f"node 0's address on the cluster network (default: this machine, port {RDZV_PORT})")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="the job's rendezvous id (default: prl-<mode>-<date>)")
+    nodes.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
+                       help=f"torchrun restarts of a failed job, each resuming its newest checkpoint ({MAX_RESTARTS})")
+    nodes.add_argument("--join-timeout", type=int, default=JOIN_TIMEOUT_S, metavar="SECONDS",
+                       help=f"how long the rendezvous waits for every node ({JOIN_TIMEOUT_S})")
+    nodes.add_argument("--slurm-script", metavar="FILE", help="also write the SLURM batch script to FILE")
     parser.error = lambda message: _usage_error(message)
     return parser.parse_known_args(argv)
 
@@ -637,15 +650,16 @@ def has_flag(args: list[str], *flags: str) -> bool:
 
 
 def build_command(mode: Mode, rec_args: list[str], opts: argparse.Namespace, passthrough: list[str],
-                  run_dir: Path | None) -> list[str]:
-    """The script's command line: the plan's flags, translated budgets, then the user's flags."""
+                  run_dir: Path | None, ranks: int = 1) -> list[str]:
+    """The script's command line: the plan's flags, translated budgets, then the user's flags
+    (``ranks``: how many ranks run it, each with the workers it names)."""
     command = [sys.executable, str(ROOT / mode.script)]
     user_flags = {a.split("=", 1)[0] for a in passthrough if a.startswith("--")}
     for flag, value in zip(rec_args[::2], rec_args[1::2]):  # the user's own flags win over the plan
         if flag not in user_flags:
             command += [flag, value]
     if opts.episodes is not None:
-        command += translate_episodes(mode, opts.episodes, command[2:] + passthrough)
+        command += translate_episodes(mode, opts.episodes, command[2:] + passthrough, ranks)
     if opts.duration is not None:
         command += [mode.duration_flag, str(opts.duration)]
     elif opts.episodes is None and not has_flag(passthrough, mode.duration_flag):
@@ -655,13 +669,14 @@ def build_command(mode: Mode, rec_args: list[str], opts: argparse.Namespace, pas
     return command + passthrough
 
 
-def translate_episodes(mode: Mode, episodes: int, args: list[str]) -> list[str]:
-    """``--episodes N`` in the script's own terms (``args``: the flags it gets, the user's last)."""
+def translate_episodes(mode: Mode, episodes: int, args: list[str], ranks: int = 1) -> list[str]:
+    """``--episodes N`` in the script's own terms (``args``: the flags it gets, the user's last; ``ranks``:
+    how many ranks run them, each with ``--num-workers`` workers)."""
     if mode.episodes_flag:
         return [mode.episodes_flag, str(episodes)]
     # The population trains fixed-length Market episodes per worker: convert to steps per worker.
     episode_length = int(_flag_value(args, "--episode-length") or 256)
-    workers = int(_flag_value(args, "--num-workers") or 4)
+    workers = int(_flag_value(args, "--num-workers") or 4) * ranks
     return ["--max-steps-per-worker", str(math.ceil(episodes / workers) * episode_length)]
 
 
@@ -703,6 +718,7 @@ def check_usage(opts: argparse.Namespace) -> None:
         _usage_error(f"--duration {opts.duration}: must be > 0")
     if opts.mode is not None and opts.mode not in MODES:
         _usage_error(f"--mode {opts.mode!r}: must be one of {', '.join(MODES)}")
+    check_multinode_usage(opts)
     if opts.tune and (opts.assume_facts or os.environ.get(system.ASSUME_ENV)):
         _usage_error("--tune measures this machine; it cannot run with assumed facts")
 
@@ -717,21 +733,28 @@ def refusal(plan: dict, force: bool) -> str | None:
     return None
 
 
+def plan_args(report: dict) -> list[str]:
+    """The selected mode's flags: the plan's, a measured ``--tune`` setting replacing the guess."""
+    rec_args = report["plans"][report["selected"]]["args"]
+    return merge_flags(rec_args, report["tuned"]["args"]) if report["tuned"] else rec_args
+
+
+def default_run_dir(mode: Mode, passthrough: list[str], run_name: str) -> Path | None:
+    """``runs/<script>/<env>__<seed>__<run_name>``, or None where the user named one (or a checkpoint's)."""
+    if has_flag(passthrough, "--output-dir") or has_flag(passthrough, "--resume"):
+        return None
+    seed = _flag_value(passthrough, "--seed") or "1"
+    env_id = _flag_value(passthrough, "--env-id") or mode.default_env
+    return Path("runs") / Path(mode.script).stem / f"{env_id.replace('/', '_')}__{seed}__{run_name}"
+
+
 def plan_command(report: dict, opts: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], Path | None]:
-    """The command for the selected mode's plan (a measured ``--tune`` setting replacing the guess)."""
+    """The command for the selected mode's plan."""
     mode = MODES[report["selected"]]
-    rec_args = report["plans"][mode.name]["args"]
-    if report["tuned"]:
-        rec_args = merge_flags(rec_args, report["tuned"]["args"])
-    run_dir = None
-    if not has_flag(passthrough, "--output-dir") and not has_flag(passthrough, "--resume"):
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        seed = _flag_value(passthrough, "--seed") or "1"
-        env_id = _flag_value(passthrough, "--env-id") or mode.default_env
-        run_dir = Path("runs") / Path(mode.script).stem / f"{env_id.replace('/', '_')}__{seed}__{stamp}"
+    run_dir = default_run_dir(mode, passthrough, datetime.now().strftime("%Y%m%d-%H%M%S"))
     # A flag the script does not know is left for the script's own parser to refuse (exit 2),
     # before it starts anything.
-    return build_command(mode, rec_args, opts, passthrough, run_dir), run_dir
+    return build_command(mode, plan_args(report), opts, passthrough, run_dir), run_dir
 
 
 def shell_line(command: list[str]) -> str:
@@ -741,12 +764,232 @@ def shell_line(command: list[str]) -> str:
     return " ".join(prefix + [_quote(c) for c in command])
 
 
+# --------------------------------------------------------------------------- past one machine
+
+RDZV_PORT = 29400  # the port torchrun's docs use for the c10d rendezvous
+MAX_RESTARTS = 3  # torchrun restarts of a failed job; each one resumes from the newest checkpoint
+JOIN_TIMEOUT_S = 600  # torch's own default, written out so that the command says how long nodes wait
+READ_TIMEOUT_S = 60  # torch's default: how long a node tries to reach the rendezvous host
+RANK0_ROLE = {  # what rank 0 does beyond the other ranks, per mode
+    "timed": "writes the run directory (every rank collects and learns)",
+    "dqn": "is the central learner: it trains, evaluates and writes the run directory",
+    "ultra": "is the learner: it owns the replay and writes the run directory; the other nodes only act",
+    "ppo-multiprocess": "keeps the leaderboard, runs PBT across the nodes and writes the run directory",
+}
+
+
+def check_multinode_usage(opts: argparse.Namespace) -> None:
+    """``--nnodes`` and its flags: one line and exit 2 for anything torchrun or a shell would trip on."""
+    if opts.nnodes is None:
+        given = [flag for flag, value in (("--nproc-per-node", opts.nproc_per_node),
+                                          ("--rdzv-endpoint", opts.rdzv_endpoint), ("--rdzv-id", opts.rdzv_id),
+                                          ("--slurm-script", opts.slurm_script)) if value is not None]
+        if given:
+            _usage_error(f"{given[0]} describes a multi-node job: add --nnodes N")
+        return
+    if opts.nnodes < 1:
+        _usage_error(f"--nnodes {opts.nnodes}: must be >= 1 (the number of machines)")
+    if opts.tune:
+        _usage_error("--nnodes prints commands for other machines; it cannot run with --tune (tune on one node, "
+                     "then print the commands there)")
+    if opts.nproc_per_node is not None and opts.nproc_per_node < 1:
+        _usage_error(f"--nproc-per-node {opts.nproc_per_node}: must be >= 1")
+    if opts.max_restarts < 0:
+        _usage_error(f"--max-restarts {opts.max_restarts}: must be >= 0")
+    if opts.join_timeout < 1:
+        _usage_error(f"--join-timeout {opts.join_timeout}: must be >= 1 second")
+    if opts.rdzv_endpoint is not None:
+        parse_endpoint(opts.rdzv_endpoint)
+    if opts.rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", opts.rdzv_id):
+        _usage_error(f"--rdzv-id {opts.rdzv_id!r}: letters, digits, '_', '.' and '-' only (it names the run "
+                     "directory too)")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[IPv6]:PORT``) as torchrun reads it; a usage error otherwise."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(\d{1,5}))?", text)
+    port = int(match.group(2)) if match and match.group(2) else RDZV_PORT
+    if match is None or not 1 <= port <= 65535:
+        _usage_error(f"--rdzv-endpoint {text!r}: must be HOST or HOST:PORT with PORT 1-65535 (node 0's address "
+                     "on the job's cluster network)")
+    return match.group(1), port
+
+
+def ranks_per_node(mode: Mode, plan: dict, facts: dict, passthrough: list[str],
+                   requested: int | None) -> tuple[int, str]:
+    """How many ranks torchrun starts on each node for this mode, and why."""
+    if requested is not None:
+        return requested, f"{requested} rank(s) per node, as --nproc-per-node asks"
+    gpus = len(facts["gpus"])
+    device = _flag_value(passthrough, "--device") or plan["settings"]["device"]
+    if mode.name == "timed" and gpus and device != "cpu":
+        return gpus, (f"one rank per GPU: every DD-PPO rank learns on its own cuda:LOCAL_RANK, and NCCL averages "
+                      f"the gradients of the {gpus} GPUs")
+    if mode.name == "timed":
+        return 1, ("one rank per node: every DD-PPO rank repeats the whole update on its share of the rollout, "
+                   "so on one node more workers under one rank collect the same steps for less; the learner is "
+                   "on the CPU, where a small MLP learns fastest (with --device cuda: one rank per GPU)")
+    if mode.name == "ppo-multiprocess":
+        return 1, ("one rank per node: a rank already spreads its members over the node's cores"
+                   f"{' and GPUs' if gpus else ''}, and reads one market cache in the node's shared memory")
+    return 1, ("one rank per node: rank 0 learns beside its local actors and every other node's rank only acts; "
+               "a rank already fills its node's cores with worker processes, so more ranks would split them")
+
+
+def per_rank_args(rec_args: list[str], mode: Mode, nproc: int) -> list[str]:
+    """The plan's flags for one of ``nproc`` ranks that share a node: the node's workers split between them."""
+    args = dict(zip(rec_args[::2], rec_args[1::2]))
+    workers = int(args.get(mode.workers_flag, "0"))
+    if nproc > 1 and workers:
+        args[mode.workers_flag] = str(max(1, workers // nproc))
+    return [item for pair in args.items() for item in pair]
+
+
+def torchrun_words(nnodes: str, nproc: int, endpoint: str, rdzv_id: str, opts: argparse.Namespace,
+                   is_host: bool | None) -> list[str]:
+    """torchrun's options, already shell-quoted (``nnodes`` and ``endpoint`` may be shell variables).
+    ``is_host`` says outright which node hosts the rendezvous: torch's guess compares the endpoint with
+    the machine's hostname and misses an address on a second network card, a cluster network's."""
+    conf = f"join_timeout={opts.join_timeout}" + ("" if is_host is None else f",is_host={int(is_host)}")
+    return ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", _quote(rdzv_id), "--rdzv-conf", conf,
+            "--max-restarts", str(opts.max_restarts)]
+
+
+def build_multinode(report: dict, opts: argparse.Namespace, passthrough: list[str]) -> dict:
+    """The torchrun command of every node, the SLURM batch script, and what a user must know to start them."""
+    mode, facts = MODES[report["selected"]], report["system"]
+    plan = report["plans"][mode.name]
+    nproc, why = ranks_per_node(mode, plan, facts, passthrough, opts.nproc_per_node)
+    host, port = parse_endpoint(opts.rdzv_endpoint or socket.gethostname())
+    endpoint = f"{host}:{port}"
+    rdzv_id = opts.rdzv_id or f"prl-{mode.name}-{datetime.now():%Y%m%d}"
+    # A fixed run directory (the job's id in place of a timestamp) and --resume auto: the same commands start
+    # the run or continue it, and torchrun's restarts find its newest checkpoint.
+    run_dir = default_run_dir(mode, passthrough, rdzv_id)
+    script = build_command(mode, per_rank_args(plan_args(report), mode, nproc), opts, passthrough, run_dir,
+                           ranks=opts.nnodes * nproc)[1:]
+    if not has_flag(passthrough, "--resume"):
+        script += ["--resume", "auto"]
+    script_words = [_quote(word) for word in script]
+    commands = [" ".join(torchrun_words(str(opts.nnodes), nproc, _quote(endpoint), rdzv_id, opts, node == 0)
+                         + script_words) for node in range(opts.nnodes)]
+    workers = _flag_value(script, mode.workers_flag)
+    output_dir = _flag_value(script, "--output-dir")
+    multinode = {"mode": mode.name, "nnodes": opts.nnodes, "nproc_per_node": nproc, "nproc_reason": why,
+                 "world_size": opts.nnodes * nproc, "num_workers_per_rank": int(workers) if workers else None,
+                 "rdzv_endpoint": endpoint, "rdzv_id": rdzv_id, "join_timeout_s": opts.join_timeout,
+                 "max_restarts": opts.max_restarts, "output_dir": output_dir, "script": script,
+                 "commands": commands}
+    multinode["slurm"] = slurm_script(multinode, facts, script_words, port, opts)
+    multinode["notes"] = multinode_notes(multinode, host)
+    return multinode
+
+
+def slurm_script(multinode: dict, facts: dict, script_words: list[str], port: int, opts: argparse.Namespace) -> str:
+    """The same job as one ``sbatch`` file: one torchrun per node, started by ``srun``."""
+    gpus = len(facts["gpus"])
+    torchrun = torchrun_words('"$SLURM_NNODES"', multinode["nproc_per_node"], f'"$head:{port}"',
+                              multinode["rdzv_id"], opts, None)
+    lines = [
+        "#!/bin/bash",
+        f"# {multinode['mode']} on {multinode['nnodes']} nodes (written by launch_parallel_training.py --nnodes)",
+        f"#SBATCH --job-name={multinode['rdzv_id']}",
+        f"#SBATCH --nodes={multinode['nnodes']}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={facts['usable_cores']}",
+        *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
+        "set -euo pipefail",
+        "# srun does not inherit --cpus-per-task from sbatch since Slurm 22.05",
+        'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
+        "# The rendezvous host: the node whose name sorts first, the one c10d makes rank 0. Its address must be",
+        "# reachable only from this job's nodes (a cluster network, never a public interface).",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | LC_ALL=C sort | head -n 1)',
+        "srun " + " ".join(torchrun) + " \\",
+        "    " + " ".join(script_words),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def multinode_notes(multinode: dict, host: str) -> list[str]:
+    """What a user must know to start the commands: order, rank 0, trust, timeouts, restarts, workers."""
+    mode = multinode["mode"]
+    notes = [
+        f"start node 0 first, on {host}: it hosts the rendezvous (is_host=1) and every other node connects to it; "
+        f"a node that cannot reach {multinode['rdzv_endpoint']} gives up after about the store's read_timeout "
+        f"({READ_TIMEOUT_S} s) with exit 1",
+        f"rank 0 {RANK0_ROLE[mode]}. c10d ranks the nodes by hostname (FQDN, compared as text), then by "
+        "torchrun's pid, not by who hosts the rendezvous: make node 0 the machine whose `hostname -f` sorts "
+        "first (node01 before node02); otherwise rank 0 lands on another node, and losing either of the two "
+        "ends the job",
+        f"trust: torch.distributed trusts every peer (what it broadcasts travels pickled), so "
+        f"{multinode['rdzv_endpoint']} and the ports the ranks open to each other must be reachable only from "
+        "the job's own nodes: a cluster network, never a public interface",
+        f"nobody answers: the rendezvous waits join_timeout={multinode['join_timeout_s']} s for all "
+        f"{multinode['nnodes']} nodes, then every node that waited exits 1 (RendezvousTimeoutError; "
+        "python -m common.torchrun, with the same arguments, says so in one line)",
+        f"torchrun restarts a failed job up to --max-restarts {multinode['max_restarts']} times; each restart "
+        f"resumes from the newest checkpoint in {multinode['output_dir'] or 'the run directory'}, and the same "
+        "commands started again continue the run (--resume auto)",
+    ]
+    if multinode["num_workers_per_rank"] is not None:
+        workers = multinode["num_workers_per_rank"]
+        notes.append(f"--num-workers is per rank: {workers} on each of {multinode['world_size']} ranks, "
+                     f"{workers * multinode['world_size']} in all")
+    if os.environ.get(system.ASSUME_ENV):
+        notes.append(f"planned for the facts in {os.environ[system.ASSUME_ENV]}, on every node; the commands do not "
+                     "carry them: on the nodes each script sees its real machine")
+    return notes
+
+
+def print_multinode(multinode: dict, facts: dict) -> None:
+    mode = MODES[multinode["mode"]]
+    gpus = len(facts["gpus"])
+    print(f"Multi-node: {mode.name} ({mode.script}) on {multinode['nnodes']} nodes x "
+          f"{multinode['nproc_per_node']} rank(s) = world size {multinode['world_size']}")
+    print(f"  every node alike: {facts['usable_cores']} cores, {gpus} GPU{'s' * (gpus != 1)}, "
+          f"{facts['ram_total_gib']} GiB RAM ({'assumed' if facts['assumed'] else 'this machine'})")
+    print(f"  ranks per node: {multinode['nproc_reason']}")
+    run_dir = multinode["output_dir"] or "the checkpoint's"
+    print(f"  run directory: {run_dir} on node 0 (rank 0 alone writes it)")
+    for node, command in enumerate(multinode["commands"]):
+        role = " (start it first: it hosts the rendezvous and should be rank 0)" if node == 0 else ""
+        print(f"  node {node}{role}:\n    {command}")
+    for note in multinode["notes"]:
+        print(f"  note: {note}")
+    print("\nSLURM batch script (sbatch FILE; the same job, one torchrun per node):\n")
+    print(multinode["slurm"], end="")
+
+
+def multinode_main(report: dict, opts: argparse.Namespace, passthrough: list[str], refused: str | None) -> int:
+    """``--nnodes``: print (never run) the commands for every node and the SLURM script; exit status as
+    ``--check-only``'s, and 2 where the mode is refused on the nodes."""
+    multinode = None if refused else build_multinode(report, opts, passthrough)
+    if opts.json:
+        print(json.dumps({**report, "command": None, "refused": refused, "multinode": multinode}, indent=2))
+    elif refused:
+        print(f"error: {refused}", file=sys.stderr)
+    else:
+        if opts.check_only:
+            print_report(report)
+            print()
+        print_multinode(multinode, report["system"])
+    if refused:
+        return EXIT_USAGE
+    if opts.slurm_script:
+        Path(opts.slurm_script).write_text(multinode["slurm"])
+        print(f"wrote {opts.slurm_script}", file=sys.stderr)
+    return EXIT_MISSING if not report["ready"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, passthrough = parse_args(sys.argv[1:] if argv is None else argv)
     check_usage(opts)
     report = build_report(load_machine(opts), opts.mode, _flag_value(passthrough, "--env-id"))
     mode = MODES[report["selected"]]
     refused = refusal(report["plans"][mode.name], opts.force)
+    if opts.nnodes is not None:
+        return multinode_main(report, opts, passthrough, refused)
     if opts.check_only or opts.json:
         if opts.json:
             command = None if refused else plan_command(report, opts, passthrough)[0]
