@@ -12,6 +12,11 @@ drawn from the latest policy, a pool of past snapshots of the learner and fixed 
 and evaluation plays the greedy policy against a random and a heuristic player from both
 seats. Any single-agent Gymnasium id with a Discrete action space works too.
 
+Started by ``torchrun``, rank 0 does all of the above, and every other rank runs rollout
+workers only (``--num-workers`` of them on each rank): their whole episodes travel to rank 0
+as typed arrays (``common.hub``), are checked, and enter the replay buffer like local ones;
+the weights, epsilon and the opponent pool travel back (docs/multi-node.md).
+
     python parallel_train_dqn.py                                   # ConnectFour-v0 self-play
     python parallel_train_dqn.py --config configs/parallel_dqn_cartpole.yaml
     python parallel_train_dqn.py --duration 0.25 --resume auto --output-dir runs/c4
@@ -28,12 +33,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import math
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from common.config import require, require_positive
+from common.distributed import PeerFailure
+from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer, stop_message
 from common.lazy import lazy_import
 from common.replay import ReplayBuffer, fit_buffer_size, replay_bytes, storage_dtype
 from common.run import Mode, RunConfig, TrainingDiverged, run_training
@@ -43,6 +50,7 @@ from common.system import resolve_device, usable_cores
 torch = lazy_import("torch")
 dqn = lazy_import("common.dqn")
 manager_lib = lazy_import("common.manager")
+networks = lazy_import("common.networks")
 
 DEFAULT_BUFFER = 100_000
 
@@ -51,7 +59,7 @@ DEFAULT_BUFFER = 100_000
 class Config(RunConfig):
     env_id: str = "ConnectFour-v0"  # any Gymnasium id with a Discrete action space; two-player built-ins use self-play
     seed: int = 1  # seeds the networks, the replay sampling and every worker's environments
-    num_workers: int = field(default_factory=lambda: max(1, usable_cores() - 2))  # rollout processes (cores - 2)
+    num_workers: int = field(default_factory=lambda: max(1, usable_cores() - 2))  # rollout processes per rank
     episodes_per_batch: int = 16  # whole episodes each worker plays per batch it sends
     total_timesteps: int | None = None  # stop after this many environment steps (None = no limit)
     total_episodes: int | None = 200_000  # stop after this many training episodes (None = no limit)
@@ -131,12 +139,42 @@ class OpponentPool:
     def add(self, model) -> None:
         self.snapshots.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
 
-    def send(self, manager, cfg: Config) -> None:
+    def mixture(self, cfg: Config) -> dict:
+        """Who the workers' games are against: shares of latest / snapshot / random / heuristic."""
         probs = {"latest": cfg.opponent_latest, "snapshot": cfg.opponent_snapshot if self.snapshots else 0.0,
                  "random": cfg.opponent_random, "heuristic": cfg.opponent_heuristic}
         if sum(probs.values()) == 0:  # only snapshots were asked for and there are none yet
             probs["random"] = 1.0
-        manager.set_opponents(list(self.snapshots), probs, cfg.opponent_epsilon)
+        return {"probs": probs, "epsilon": cfg.opponent_epsilon}
+
+    def send(self, manager, cfg: Config) -> None:
+        mixture = self.mixture(cfg)
+        manager.set_opponents(list(self.snapshots), mixture["probs"], mixture["epsilon"])
+
+    def flat(self, net_spec: dict) -> np.ndarray:
+        """The snapshots as rows of flat float32 parameters, ``[snapshots, parameters]`` (for other ranks)."""
+        scratch = networks.build_network(net_spec)
+        out = np.zeros((len(self.snapshots), networks.flat_size(scratch)), dtype=np.float32)
+        for row, snapshot in zip(out, self.snapshots):
+            scratch.load_state_dict(snapshot)
+            networks.write_flat_params(scratch, row)
+        return out
+
+
+def make_manager(run, model, epsilon: float, seed: int, log_dir: str | None):
+    """Rollout workers playing with ``model``'s weights (not started yet), released when the run ends."""
+    cfg = run.cfg
+    spec = manager_lib.WorkerSpec(cfg.env_id, seed, tuple(cfg.hidden_sizes), run.env_kwargs, log_dir=log_dir)
+    config = manager_lib.ManagerConfig(
+        num_workers=cfg.num_workers, games_per_worker=cfg.episodes_per_batch,
+        max_game_length=cfg.max_game_length or 0, model_sync_interval=cfg.model_sync_interval,
+        timeout=cfg.worker_timeout_s, max_restarts=cfg.max_worker_restarts,
+        experience_queue_size=cfg.experience_queue_size, hang_timeout=cfg.worker_timeout_s,
+        start_timeout=max(cfg.worker_timeout_s, 120.0), opponent_slots=cfg.pool_size)
+    manager = manager_lib.ParallelManager(spec, parallel_config=config, model=model, epsilon=epsilon, logger=run.log)
+    run.defer(manager.stop_workers)
+    run.supervise(manager.supervisor)
+    return manager
 
 
 # --------------------------------------------------------------------------- the learner
@@ -157,32 +195,26 @@ class DQNTrainer:
         self.update_credit = 0.0  # gradient updates owed to the replay ratio, carried between iterations
         self.last_eval: dict[str, float] = {}
         self.final_eval: dict[str, float] | None = None
+        self.episodes_by_rank: Counter[int] = Counter()  # episodes stored from each rank (0 = this one)
+        self.steps_by_rank: Counter[int] = Counter()
         for note in env.extra.get("notes", []):
             run.log.info("%s", note)
-        self.manager = self.start_workers()
-        run.log.info("parallel_train_dqn: %s, %d rollout worker(s) x %d episodes per batch, replay ratio %g, "
-                     "buffer %d, learner on %s (precision %s), run dir %s", cfg.env_id, cfg.num_workers,
-                     cfg.episodes_per_batch, cfg.replay_ratio, cfg.buffer_size, self.learner.device,
-                     self.learner.precision, run.run_dir)
-
-    def start_workers(self):
-        run, cfg = self.run, self.cfg
-        spec = manager_lib.WorkerSpec(cfg.env_id, cfg.seed + 1000 * run.counters["iteration"],
-                                      tuple(cfg.hidden_sizes), run.env_kwargs, log_dir=str(run.run_dir / "logs"))
-        config = manager_lib.ManagerConfig(
-            num_workers=cfg.num_workers, games_per_worker=cfg.episodes_per_batch,
-            max_game_length=cfg.max_game_length or 0, model_sync_interval=cfg.model_sync_interval,
-            timeout=cfg.worker_timeout_s, max_restarts=cfg.max_worker_restarts,
-            experience_queue_size=cfg.experience_queue_size, hang_timeout=cfg.worker_timeout_s,
-            start_timeout=max(cfg.worker_timeout_s, 120.0), opponent_slots=cfg.pool_size)
-        manager = manager_lib.ParallelManager(spec, parallel_config=config, model=self.learner.q_net,
-                                              epsilon=self.epsilon(), logger=run.log)
-        run.defer(manager.stop_workers)
-        run.supervise(manager.supervisor)
+        self.manager = make_manager(run, self.learner.q_net, self.epsilon(),
+                                    cfg.seed + 1000 * run.counters["iteration"], str(run.run_dir / "logs"))
         if run.env.two_player:
-            self.pool.send(manager, cfg)
-        manager.start_workers()
-        return manager
+            self.pool.send(self.manager, cfg)
+        self.manager.start_workers()
+        # Past one machine, ranks > 0 send episodes too; they play with what rank 0 publishes.
+        self.remote = RemoteRollouts(run) if run.dist.world_size > 1 else None
+        if self.remote is not None:
+            self.remote.publish_weights(self.learner.q_net, self.manager.model_version, self.epsilon())
+            if run.env.two_player:
+                self.remote.publish_pool(self.pool, cfg, self.learner.q_net.spec)
+            self.remote.start()
+        run.log.info("parallel_train_dqn: %s, %d rollout worker(s) x %d episodes per batch, replay ratio %g, "
+                     "buffer %d, learner on %s (precision %s), world size %d, run dir %s", cfg.env_id,
+                     cfg.num_workers, cfg.episodes_per_batch, cfg.replay_ratio, cfg.buffer_size, self.learner.device,
+                     self.learner.precision, run.dist.world_size, run.run_dir)
 
     def epsilon(self) -> float:
         cfg = self.cfg
@@ -196,12 +228,14 @@ class DQNTrainer:
             with run.budget.part("wait"):
                 batches = self.manager.collect_experiences(self.cfg.worker_timeout_s,
                                                            stop=lambda: run.graceful.requested)
-            if not batches:
+            by_rank = {0: batches, **(self.remote.receive() if self.remote is not None else {})}
+            if not any(by_rank.values()):
                 if not run.graceful.requested:
                     run.log.warning("no experience from any worker within %.0f s", self.cfg.worker_timeout_s)
                 continue
-            run.budget.mark_first_step(time.time() - max(b.collect_seconds for b in batches))
-            stats = self.store(batches)
+            if batches:
+                run.budget.mark_first_step(time.time() - max(b.collect_seconds for b in batches))
+            stats = self.store(by_rank)
             learn_started = time.perf_counter()
             with run.budget.part("learn"):
                 learned = self.learn(stats["steps"])
@@ -210,14 +244,20 @@ class DQNTrainer:
             self.record(stats, learned, time.perf_counter() - started)
             if run.checkpoint_due():
                 run.save_checkpoint(self.state_dict())
+        if self.remote is not None:
+            self.remote.close(stop_message(run))  # the other ranks stop now; evaluation is rank 0's alone
         if run.stop_reason() != "interrupted":
             self.final_eval = self.evaluate()
 
-    def store(self, batches) -> dict[str, float]:
-        """Every episode of the batches into the replay buffer (and into the run's counts)."""
+    def store(self, by_rank: dict[int, list]) -> dict[str, float]:
+        """Every episode of every rank's batches into the replay buffer (and into the run's counts)."""
         cfg, episodes, staleness = self.cfg, [], []
-        for batch in batches:
+        for rank, batch in ((rank, batch) for rank, batches in by_rank.items() for batch in batches):
             staleness.append(self.manager.model_version - batch.model_version)
+            if rank and not self.episodes_by_rank[rank]:
+                self.run.log.info("rank %d: its first %d episode(s) arrived", rank, len(batch.episodes))
+            self.episodes_by_rank[rank] += len(batch.episodes)
+            self.steps_by_rank[rank] += sum(ep["length"] for ep in batch.episodes)
             for ep in batch.episodes:
                 self.buffer.add_episode(ep["obs"], ep["actions"], ep["rewards"], ep["terminated"], ep.get("masks"),
                                         cfg.gamma, cfg.n_step)
@@ -257,11 +297,17 @@ class DQNTrainer:
         iteration = counters["iteration"]
         if manager.synchronizer.should_sync(self.learner.updates):
             manager.sync_model_to_workers(epsilon=self.epsilon(), learner_step=self.learner.updates)
+            if self.remote is not None:
+                self.remote.publish_weights(self.learner.q_net, manager.model_version, self.epsilon())
         else:
             manager.set_epsilon(self.epsilon())
+            if self.remote is not None:
+                self.remote.publish_epsilon(self.epsilon())
         if self.run.env.two_player and iteration % cfg.snapshot_interval == 0:
             self.pool.add(self.learner.q_net)
             self.pool.send(manager, cfg)
+            if self.remote is not None:
+                self.remote.publish_pool(self.pool, cfg, self.learner.q_net.spec)
         if cfg.worker_reset_interval and iteration % cfg.worker_reset_interval == 0:
             manager.reset_workers()
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
@@ -278,10 +324,18 @@ class DQNTrainer:
                "updates_per_s": len(learned) / stats["learn_seconds"] if learned else math.nan,
                "episodes_per_s": stats["episodes"] / max(seconds, 1e-9), "model_version": self.manager.model_version,
                "staleness": stats["staleness"], "buffer_size": len(self.buffer), "train_win_rate": stats["win_rate"],
-               "iteration": counters["iteration"], **self.last_eval}
+               "iteration": counters["iteration"], "world_size": self.run.dist.world_size,
+               "episodes_by_rank": self.by_rank_text(), "ranks_lost": self.remote.lost if self.remote else 0,
+               **self.last_eval}
         self.last_eval = {}
-        self.run.write_metrics(row, {"eps": round(row["epsilon"], 3), "ver": row["model_version"],
-                                     "buf": len(self.buffer)})
+        shown = {"eps": round(row["epsilon"], 3), "ver": row["model_version"], "buf": len(self.buffer)}
+        if self.remote is not None:
+            shown["episodes by rank"] = row["episodes_by_rank"]
+        self.run.write_metrics(row, shown)
+
+    def by_rank_text(self) -> str:
+        """Episodes stored from each rank so far, in rank order: ``"1200:1150"``."""
+        return ":".join(str(self.episodes_by_rank[rank]) for rank in range(self.run.dist.world_size))
 
     def evaluate(self) -> dict[str, float]:
         """Greedy episodes played by the workers in parallel; win/draw/loss rates for two-player games."""
@@ -311,9 +365,257 @@ class DQNTrainer:
         return {**self.learner.state_dict(), "snapshots": list(self.pool.snapshots)}
 
     def summary(self) -> dict:
+        by_rank = {"episodes_by_rank": {str(r): n for r, n in sorted(self.episodes_by_rank.items())},
+                   "transitions_by_rank": {str(r): n for r, n in sorted(self.steps_by_rank.items())}}
         return {"final_eval": self.final_eval, "iterations": self.run.counters["iteration"],
                 "model_version": self.manager.model_version, "buffer_size": self.cfg.buffer_size,
-                "precision": self.learner.precision}
+                "precision": self.learner.precision, **by_rank,
+                **(self.remote.hub.summary() if self.remote is not None else {})}
+
+
+# --------------------------------------------------------------------------- past one machine
+# Under torchrun, ranks > 0 run rollout workers only. Their episodes travel to rank 0 as typed
+# arrays with one row per observation (T + 1 rows for an episode of T steps): the action taken
+# there and the reward that followed (0 on the episode's final row), ``last`` marking that final
+# row and ``terminated`` on it whether the episode ended rather than being cut, plus the
+# legal-action masks where the env has them. Per-episode numbers (a game's result) travel in the
+# message's JSON info. Nothing is pickled, and rank 0 checks every message before it is stored.
+
+EXCHANGE_S = 1.0  # a rank > 0 reports to rank 0 at least this often, so a stop reaches it within a second
+
+
+def episode_schema(env) -> Schema:
+    """What a rank > 0 may send: this env's observations, actions in [0, n), finite rewards, whole episodes."""
+    space, n = env.observation_space, int(env.action_space.n)
+    low, high = float(np.min(space.low)), float(np.max(space.high))
+    in_range = space.dtype != np.uint8 and math.isfinite(low) and math.isfinite(high)
+    fields = {"obs": Field(str(space.dtype), tuple(space.shape), low if in_range else None, high if in_range else None),
+              "actions": Field("int64", (), 0, n - 1, integral=True), "rewards": Field("float32"),
+              "last": Field("bool"), "terminated": Field("bool")}
+    if env.action_mask:
+        fields["masks"] = Field("bool", (n,))
+    return Schema(fields, rule=lambda info, arrays: check_episodes(info, arrays, tuple(fields)))
+
+
+def check_episodes(info: dict, arrays: dict[str, np.ndarray], names: tuple[str, ...]) -> str | None:
+    """What the fields cannot check: whole episodes, legal actions, and the JSON info's numbers."""
+    unknown = set(info) - {"episodes", "model_version", "signal"}
+    if unknown:
+        return f"unknown info key(s) {sorted(unknown)}"
+    if info.get("signal", 2) not in (2, 15) or not _is_number(info.get("model_version", 0)):
+        return f"a signal or model version that is not one: {info.get('signal')!r}, {info.get('model_version')!r}"
+    stats = info.get("episodes", [])
+    if not isinstance(stats, list) or not all(isinstance(s, dict) and all(map(_is_number, s.values())) for s in stats):
+        return "episode statistics that are not numbers"
+    if not arrays:
+        return f"statistics of {len(stats)} episode(s) without the episodes" if stats else None
+    if set(arrays) != set(names):
+        return f"arrays {sorted(arrays)}, expected {sorted(names)}"
+    last = arrays["last"]
+    ends = np.flatnonzero(last)
+    if not last[-1] or (np.diff(ends, prepend=-1) < 2).any():
+        return "rows that are not whole episodes (each needs a step and a final observation)"
+    if (arrays["terminated"] & ~last).any():
+        return "terminated on a row that ends no episode"
+    if len(stats) != len(ends):
+        return f"statistics of {len(stats)} episode(s) for {len(ends)}"
+    if "masks" in arrays and not arrays["masks"][~last, arrays["actions"][~last]].all():
+        return "an action its legal-action mask forbids"
+    return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def pack_episodes(episodes: list[dict], obs_dtype) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """Whole episodes as the arrays above, and each episode's other numbers (for the JSON info)."""
+    if not episodes:
+        return {}, []
+    rows = np.cumsum([len(ep["obs"]) for ep in episodes])
+    last = np.zeros(rows[-1], dtype=bool)
+    last[rows - 1] = True
+    terminated = np.zeros_like(last)
+    terminated[rows - 1] = [ep["terminated"] for ep in episodes]
+    arrays = {"obs": np.concatenate([ep["obs"] for ep in episodes]).astype(obs_dtype, copy=False),
+              "actions": np.concatenate([np.append(ep["actions"], 0) for ep in episodes]).astype(np.int64),
+              "rewards": np.concatenate([np.append(ep["rewards"], 0) for ep in episodes]).astype(np.float32),
+              "last": last, "terminated": terminated}
+    if "masks" in episodes[0]:
+        arrays["masks"] = np.concatenate([ep["masks"] for ep in episodes]).astype(bool)
+    stats = [{k: float(v) for k, v in ep.items() if k not in ("obs", "actions", "rewards", "masks", "return",
+                                                              "length", "terminated")
+              and isinstance(v, int | float | np.number) and math.isfinite(v)} for ep in episodes]
+    return arrays, stats
+
+
+def unpack_episodes(arrays: dict[str, np.ndarray], stats: list[dict]) -> list[dict]:
+    """The episodes of a checked message, as the local workers' episodes look."""
+    ends = np.flatnonzero(arrays["last"])
+    episodes = []
+    for start, end, numbers in zip(np.concatenate([[0], ends[:-1] + 1]), ends, stats):
+        rewards = arrays["rewards"][start:end]
+        episode = {**numbers, "obs": arrays["obs"][start:end + 1], "actions": arrays["actions"][start:end],
+                   "rewards": rewards, "terminated": bool(arrays["terminated"][end]), "length": int(end - start),
+                   "return": float(rewards.sum())}
+        if "masks" in arrays:
+            episode["masks"] = arrays["masks"][start:end + 1]
+        episodes.append(episode)
+    return episodes
+
+
+def fingerprint(run) -> dict:
+    """What every rank must share with rank 0 to send it episodes: the code, the env and the network."""
+    cfg, env = run.cfg, run.env
+    return {"script": "parallel_train_dqn", "code": code_digest(__file__), "env_id": cfg.env_id,
+            "env_kwargs": run.env_kwargs, "observation": [list(env.observation_space.shape),
+                                                          str(env.observation_space.dtype)],
+            "actions": int(env.action_space.n), "action_mask": env.action_mask, "hidden_sizes": list(cfg.hidden_sizes),
+            "max_game_length": cfg.max_game_length}
+
+
+class RemoteRollouts:
+    """Rank 0's end: the hub the other ranks send episodes to, and what its replies tell them."""
+
+    def __init__(self, run):
+        self.run = run
+        self.hub = Hub(run.dist, episode_schema(run.env), run.log)
+        self.closed = False
+        run.defer(self.close, {"reason": "rank 0 failed", "exit_code": 1})  # only if train() did not close it
+        self.hub.refuse_mismatched(fingerprint(run))
+
+    def start(self) -> None:
+        self.hub.start()
+
+    def publish_weights(self, q_net, model_version: int, epsilon: float) -> None:
+        params = np.empty(networks.flat_size(q_net), dtype=np.float32)
+        networks.write_flat_params(q_net, params)
+        self.hub.publish({"epsilon": epsilon, "model_version": model_version}, params)
+
+    def publish_epsilon(self, epsilon: float) -> None:
+        self.hub.publish({"epsilon": epsilon})
+
+    def publish_pool(self, pool: OpponentPool, cfg: Config, net_spec: dict) -> None:
+        """The mixture and the snapshots in one reply: a rank never plays a mixture with the wrong pool."""
+        self.hub.publish({"opponents": pool.mixture(cfg)}, arrays={"snapshots": pool.flat(net_spec)})
+
+    def receive(self) -> dict[int, list]:
+        """The episodes other ranks sent since the last call (checked by the hub), per rank."""
+        by_rank: dict[int, list] = {}
+        for message in self.hub.drain():
+            if "signal" in message.info:
+                interrupt_from_peer(self.run, message.rank, message.info["signal"])
+            if message.arrays:
+                episodes = unpack_episodes(message.arrays, message.info.get("episodes", []))
+                by_rank.setdefault(message.rank, []).append(manager_lib.ExperienceBatch(
+                    -1, int(message.info.get("model_version", 0)), math.nan, episodes,
+                    sum(ep["length"] for ep in episodes), 0.0))
+        return by_rank
+
+    @property
+    def lost(self) -> int:
+        return len(self.hub.lost_events)
+
+    def close(self, stop: dict) -> None:
+        """Every live rank gets ``stop`` in its last reply (once)."""
+        if not self.closed:
+            self.closed = True
+            self.hub.close(stop)
+
+
+class RolloutRank:
+    """A rank other than 0: rollout workers only, playing with the weights, epsilon and opponents
+    rank 0 publishes; their whole episodes go to rank 0 until rank 0 stops the run."""
+
+    def __init__(self, run):
+        cfg, env = run.cfg, run.env
+        self.run, self.rank = run, run.dist.rank
+        torch.set_num_threads(1)  # this process only packs episodes; the cores are the workers'
+        self.spoke = Spoke(run.dist)
+        self.spoke.refuse_mismatched(fingerprint(run))
+        self.obs_dtype = env.observation_space.dtype
+        model = networks.QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
+        seed = cfg.seed + 1000 * run.counters.get("iteration", 0) + 1_000_003 * self.rank
+        self.manager = make_manager(run, model, cfg.epsilon_start, seed, log_dir=None)  # rank 0 alone writes files
+        self.learner_versions: dict[int, int] = {}  # this rank's weights version -> the learner's
+        # This rank's counts are what it sent (its log and summary line); rank 0 counts the run's.
+        run.counters.update(global_step=0, episodes=0, updates=0)
+        run.recent.clear()
+        self.epsilon, self.pool_size, self.last_report = cfg.epsilon_start, 0, time.monotonic()
+        self.apply(self.spoke.exchange())  # the learner's weights, epsilon and opponents, before the first game
+        self.manager.start_workers()
+        run.log.info("rank %d: %d rollout worker(s) x %d episodes per batch, sending whole episodes to rank 0",
+                     self.rank, cfg.num_workers, cfg.episodes_per_batch)
+
+    def train(self) -> None:
+        run = self.run
+        while True:
+            batches = self.manager.collect_experiences(EXCHANGE_S)
+            info, arrays = self.pack(batches)
+            if run.graceful.requested:  # rank 0 stops every rank; its last reply says so
+                info["signal"] = run.graceful.signum
+            reply = self.spoke.exchange(info, arrays)
+            self.apply(reply)
+            if reply.stop is not None:
+                break
+            if time.monotonic() - self.last_report >= run.cfg.log_interval_s:
+                self.report()
+        self.report()
+        if int(reply.stop.get("exit_code", 0)) not in (0, 130, 143):
+            raise PeerFailure(f"rank {self.rank}: rank 0 ended the run: {reply.stop.get('reason')}")
+        follow_stop(run, reply.stop)
+
+    def pack(self, batches) -> tuple[dict, dict[str, np.ndarray]]:
+        episodes = [ep for batch in batches for ep in batch.episodes]
+        if not episodes:
+            return {}, {}
+        self.run.budget.mark_first_step(time.time() - max(b.collect_seconds for b in batches))
+        arrays, stats = pack_episodes(episodes, self.obs_dtype)
+        oldest = min(b.model_version for b in batches)
+        self.learner_versions = {k: v for k, v in self.learner_versions.items() if k >= oldest}
+        self.run.counters["global_step"] += sum(ep["length"] for ep in episodes)
+        self.run.counters["episodes"] += len(episodes)
+        self.run.recent.extend(ep["return"] for ep in episodes)
+        return {"episodes": stats, "model_version": self.learner_versions.get(oldest, 0)}, arrays
+
+    def apply(self, reply) -> None:
+        """New weights, epsilon and opponent pool from rank 0, for this rank's workers."""
+        control = reply.control
+        if reply.params is not None:
+            networks.read_flat_params(self.manager.model, reply.params)
+            local = self.manager.sync_model_to_workers()
+            self.learner_versions[local] = int(control.get("model_version", 0))
+        if "epsilon" in control:
+            self.epsilon = float(control["epsilon"])
+            self.manager.set_epsilon(self.epsilon)
+        if reply.arrays is not None and "opponents" in control:
+            snapshots = reply.arrays["snapshots"]
+            scratch = networks.build_network(self.manager.model.spec)
+            state_dicts = []
+            for row in snapshots:
+                networks.read_flat_params(scratch, row)
+                state_dicts.append({k: v.clone() for k, v in scratch.state_dict().items()})
+            mixture = control["opponents"]
+            self.manager.set_opponents(state_dicts, mixture["probs"], mixture["epsilon"])
+            self.pool_size = len(state_dicts)
+            self.run.log.info("rank %d: opponent pool of %d snapshot(s) from rank 0 (pool version %d)",
+                              self.rank, self.pool_size, reply.arrays_version)
+
+    def report(self) -> None:
+        self.last_report = time.monotonic()
+        counters = self.run.counters
+        self.run.log.info("rank %d: %d episodes (%d transitions, %.1f MiB) sent to rank 0; learner weights "
+                          "version %d, epsilon %.3f, %d snapshot(s) in the opponent pool", self.rank,
+                          counters["episodes"], counters["global_step"], self.spoke.sent_bytes / 2**20,
+                          max(self.learner_versions.values(), default=0), self.epsilon, self.pool_size)
+
+    def state_dict(self) -> None:
+        return None  # rank 0 holds the run's state and writes its checkpoints
+
+
+def make_trainer(run):
+    """Rank 0 (or the only process) learns; every other rank only plays."""
+    return DQNTrainer(run) if run.dist.is_main else RolloutRank(run)
 
 
 def _mean(values) -> float:
@@ -323,10 +625,12 @@ def _mean(values) -> float:
 EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent in ("random", "heuristic")
                                   for what, seat in (("win", ""), ("win", "_first"), ("win", "_second"),
                                                      ("draw", ""), ("loss", ""))]
-MODE = Mode("parallel_train_dqn", Config, DQNTrainer, description=__doc__.split("\n\n")[0], actions=("Discrete",),
-            resume_requires=("model", "target", "optimizer"), check=check_memory,
+MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
+            actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_memory,
+            distributed=True,
             metrics_columns=["epsilon", "loss", "q_mean", "learner_updates", "updates_per_s", "episodes_per_s",
-                             "model_version", "staleness", "buffer_size", "train_win_rate", "iteration", *EVAL_COLUMNS])
+                             "model_version", "staleness", "buffer_size", "train_win_rate", "iteration",
+                             "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])
 
 
 def main(argv: list[str] | None = None) -> int:
