@@ -678,6 +678,14 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
     from common import distributed
 
     dist = distributed.from_environment(getattr(cfg, "device", "cpu"))
+    # torchrun restarts the ranks of every node, but only the node whose rank failed counts a restart
+    # (TORCHELASTIC_RESTART_COUNT): rank 0 may be one that does not know the job is continuing.
+    restarted = dist.world_size > 1 and any(dist.gather_objects(elastic_restarts() > 0))
+    if restarted and dist.is_main and cfg.resume is None:
+        cfg.resume = "auto"
+        resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires)
+        if resume_path is not None and cfg.output_dir is None:
+            run_dir = checkpoint_run_dir(resume_path)
     resume_path, state = dist.broadcast_object((resume_path, state))
     run_dir = dist.agree_on_path(run_dir)
     if resume_path is not None:
