@@ -202,6 +202,23 @@ def parse_config(spec: type | dict[str, type], argv: list[str] | None = None,
     return parse_args(spec, argv, description)[0]
 
 
+# YAML sections every script accepts (seed 003's ``parallel:`` and ``training:``): named sets of the
+# script's own flat fields. ``parallel`` holds how the work is spread over processes and devices,
+# ``training`` everything else; a script whose config is split into dataclasses (the population's
+# ENV_KWARGS, PPO_KWARGS ...) accepts those names as sections too.
+PARALLEL_FIELDS = ("num_workers", "num_envs_per_worker", "threads_per_worker", "torch_threads", "device",
+                   "gpu_strategy", "num_gpus", "replay_backend", "async_training", "weight_poll_steps")
+
+
+def yaml_sections(groups: dict[str, type]) -> dict[str, set[str]]:
+    """Section name -> the fields it may set."""
+    names = {f.name for cls in groups.values() for f in dataclasses.fields(cls)}
+    parallel = {name for name in PARALLEL_FIELDS if name in names}
+    sections = {"parallel": parallel, "training": names - parallel}
+    sections.update({group: {f.name for f in dataclasses.fields(cls)} for group, cls in groups.items() if group})
+    return sections
+
+
 def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dict[str, Any]:
     import yaml
 
@@ -215,13 +232,17 @@ def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dic
     if not isinstance(data, dict):
         raise ConfigError("config", path, "must hold a mapping of field: value")
     aliases = {alias: target for cls in groups.values() for alias, target in _aliases(cls).items()}
+    sections = yaml_sections(groups)
     flat: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key).replace("-", "_")
-        if key in groups and key and isinstance(value, dict):
+        if key in sections and isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                sub_key = str(sub_key).replace("-", "_")
-                flat[aliases.get(sub_key, sub_key)] = sub_value
+                name = aliases.get(str(sub_key).replace("-", "_"), str(sub_key).replace("-", "_"))
+                if name not in sections[key]:
+                    raise ConfigError("config", path, f"unknown key '{key}.{sub_key}'; the {key} section takes "
+                                                      f"{', '.join(sorted(sections[key]))}")
+                flat[name] = sub_value
         else:
             flat[aliases.get(key, key)] = value
     for key in flat:
