@@ -118,13 +118,17 @@ def first_reaching(run: Run, threshold: float) -> tuple[float, float] | None:
     return (float(run.wall[hits[0]]), float(run.steps[hits[0]])) if hits.size else None
 
 
+def _rate(steps: float, seconds: float) -> float:
+    return steps / seconds if seconds > 0 else math.nan
+
+
 def run_stats(run: Run, baseline: Run, threshold: float | None) -> dict:
     wall_s = float(run.summary.get("wall_time_s", np.nanmax(run.wall)))
     total = float(run.summary.get("global_step", np.nanmax(run.steps)))
-    sps = total / wall_s if wall_s > 0 else math.nan
-    base_sps = float(baseline.summary.get("global_step", np.nanmax(baseline.steps))) / \
-        float(baseline.summary.get("wall_time_s", np.nanmax(baseline.wall)))
-    speedup = sps / base_sps if base_sps > 0 else math.nan
+    sps = _rate(total, wall_s)
+    base_sps = _rate(float(baseline.summary.get("global_step", np.nanmax(baseline.steps))),
+                     float(baseline.summary.get("wall_time_s", np.nanmax(baseline.wall))))
+    speedup = sps / base_sps if base_sps > 0 else math.nan  # a baseline that took no time has no speed to compare
     finite = run.mean100[np.isfinite(run.mean100)]
     peak_mb = run.summary.get("peak_pss_mb") or run.summary.get("peak_rss_mb") or \
         (float(np.nanmax(run.memory_mb)) if np.isfinite(run.memory_mb).any() else math.nan)
