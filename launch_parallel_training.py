@@ -826,9 +826,10 @@ def ranks_per_node(mode: Mode, plan: dict, facts: dict, passthrough: list[str],
         return gpus, (f"one rank per GPU: every DD-PPO rank learns on its own cuda:LOCAL_RANK, and NCCL averages "
                       f"the gradients of the {gpus} GPUs")
     if mode.name == "timed":
+        on_gpus = " (with --device cuda: one rank per GPU)" if gpus else ""
         return 1, ("one rank per node: every DD-PPO rank repeats the whole update on its share of the rollout, "
                    "so on one node more workers under one rank collect the same steps for less; the learner is "
-                   "on the CPU, where a small MLP learns fastest (with --device cuda: one rank per GPU)")
+                   f"on the CPU, where a small MLP learns fastest{on_gpus}")
     if mode.name == "ppo-multiprocess":
         return 1, ("one rank per node: a rank already spreads its members over the node's cores"
                    f"{' and GPUs' if gpus else ''}, and reads one market cache in the node's shared memory")
