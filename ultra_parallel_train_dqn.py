@@ -9,12 +9,19 @@ is safe, optionally prioritized replay) at ``--replay-ratio`` gradient updates p
 transition, and publishes its weights through shared memory with a version counter that the
 actors poll. ``--no-async-training`` alternates collecting and learning instead, for comparison.
 
+Under ``torchrun`` rank 0 runs all of the above, and every other rank runs only its own
+``--num-workers`` actors (``ActorRank``), whose transitions its main process ships to rank 0's
+replay in batches over ``common.hub``; the weights go back the same way
+(docs/multi-node.md#ultra_parallel_train_dqnpy-ape-x).
+
 Checkpoints: ``checkpoints/ultra_model_ep<N>.pt`` (the newest ``--keep-checkpoints``) and, when
 the run finishes, ``ultra_final_model.pth`` in the run directory.
 
     python ultra_parallel_train_dqn.py                                   # GridCoverage-v0
     python ultra_parallel_train_dqn.py --config configs/ultra_cartpole.yaml
     python ultra_parallel_train_dqn.py --num-workers 8 --prioritized --duration 0.5 --resume auto
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id apex \
+        ultra_parallel_train_dqn.py --num-workers 8 --output-dir runs/apex      # on each machine
 """
 
 from __future__ import annotations
@@ -36,12 +43,14 @@ from dataclasses import InitVar, dataclass, field
 import numpy as np
 
 from common.config import require, require_positive, to_dict
+from common.distributed import PeerFailure, launched_by_torchrun
 from common.envs import make_vec_env
 from common.envs.grid_coverage import VIEWS as GRID_VIEWS
+from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer, stop_message
 from common.lazy import lazy_import
 from common.replay import fit_buffer_size, nstep_returns, storage_dtype
 from common.replay_shm import ReplayLayout, make_replay, open_writer
-from common.run import Mode, RunConfig, TrainingDiverged, run_training
+from common.run import EXIT_FAILED, Mode, RunConfig, TrainingDiverged, run_training
 from common.shm import SharedArrays, attach_all
 from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_torch_threads
 from common.system import resolve_device
@@ -58,7 +67,7 @@ class Config(RunConfig):
     seed: int = 1  # environment i of the run is seeded seed + i
     grid_size: int | None = None  # GridCoverage-v0 only: side of the grid (None = the env's default, 6)
     grid_view: str = "egocentric"  # GridCoverage-v0 only: egocentric (maps centred on the agent) or global
-    num_workers: int = 2  # actor processes
+    num_workers: int = 2  # actor processes (per rank under torchrun: every rank runs this many)
     num_envs_per_worker: int = 16  # environments each actor steps together (one batched forward pass)
     total_timesteps: int | None = None  # stop after this many env steps, all actors together (None = no limit)
     total_episodes: int | None = 100_000  # stop after this many finished training episodes (None = no limit)
@@ -108,9 +117,14 @@ class Config(RunConfig):
             self.total_episodes = n_episodes
 
     @property
+    def num_actors(self) -> int:
+        """Actors of the whole run: num_workers on every rank of a torchrun job."""
+        return self.num_workers * torchrun_ranks()
+
+    @property
     def min_slack(self) -> int:
         """The least rate-limit slack that cannot stall: n-step windows of every env, and one update's transitions."""
-        return self.n_step * self.num_envs_per_worker * self.num_workers + math.ceil(1 / self.replay_ratio)
+        return self.n_step * self.num_envs_per_worker * self.num_actors + math.ceil(1 / self.replay_ratio)
 
     @property
     def slack(self) -> int:
@@ -136,6 +150,8 @@ class Config(RunConfig):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.replay_backend in ("auto", "shm", "queue"), "replay_backend", self.replay_backend,
                 "must be auto, shm or queue")
+        require(self.async_training or torchrun_ranks() == 1, "async_training", self.async_training,
+                "must be true under torchrun with several ranks (remote actors do not wait for collect phases)")
         require(self.mixed_precision in ("auto", "bf16", "fp16", "off"), "mixed_precision", self.mixed_precision,
                 "must be auto, bf16, fp16 or off")
         require(self.mixed_precision != "fp16" or resolve_device(self.device).startswith("cuda"), "mixed_precision",
@@ -144,12 +160,13 @@ class Config(RunConfig):
             self.check_buffer(self.buffer_size)
 
     def check_buffer(self, capacity: int) -> None:
-        slots = capacity // self.num_workers * self.num_workers
+        actors = self.num_actors
+        slots = capacity // actors * actors
         require(self.learning_starts <= slots, "learning_starts", self.learning_starts,
                 f"must not exceed the replay capacity ({slots} slots)")
         burst = self.n_step * self.num_envs_per_worker  # most transitions one vector step can emit
-        require(capacity // self.num_workers >= burst, "buffer_size", capacity,
-                f"must hold n_step * num_envs_per_worker = {burst} transitions per actor ({self.num_workers} actors)")
+        require(capacity // actors >= burst, "buffer_size", capacity,
+                f"must hold n_step * num_envs_per_worker = {burst} transitions per actor ({actors} actors)")
 
     def grid_kwargs(self) -> dict:
         if self.env_id != "GridCoverage-v0":
@@ -160,12 +177,18 @@ class Config(RunConfig):
 UltraTrainingConfig = Config  # the name seed 001 promised its users
 
 
+def torchrun_ranks() -> int:
+    """Ranks of the torchrun job this process belongs to (1 outside torchrun), known before any
+    process group exists: the config is checked before the ranks meet."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
 def check_memory(cfg: Config, env) -> None:
     """The replay buffer must fit in RAM (and /dev/shm, with ``--replay-backend shm``): one the user sized
     is refused if not, the default shrinks to fit."""
     layout = ReplayLayout(1, 1, env.observation_space.shape, storage_dtype(env.observation_space).name,
                           cfg.prioritized)
-    least = max(cfg.learning_starts + cfg.num_workers, cfg.n_step * cfg.num_envs_per_worker * cfg.num_workers)
+    least = max(cfg.learning_starts + cfg.num_actors, cfg.n_step * cfg.num_envs_per_worker * cfg.num_actors)
     cfg.buffer_size, note = fit_buffer_size(cfg.buffer_size, DEFAULT_BUFFER, layout.nbytes(),
                                             shared=cfg.replay_backend == "shm", minimum=least)
     cfg.check_buffer(cfg.buffer_size)
@@ -187,12 +210,13 @@ def control_arrays(arrays: SharedArrays, num_workers: int) -> None:
     arrays.create("control", (3,), np.int64)
 
 
-def actor_epsilon(cfg: Config, index: int, global_step: int) -> float:
-    """Ape-X spread: eps_i = eps ** (1 + alpha * i / (n - 1)), with eps decaying over the run."""
+def actor_epsilon(cfg: Config, actor: int, num_actors: int, global_step: int) -> float:
+    """Ape-X spread: eps_i = eps ** (1 + alpha * i / (n - 1)) over the n actors of every rank, with eps
+    decaying over the run."""
     base = dqn.linear_schedule(cfg.epsilon_start, cfg.epsilon_end, cfg.epsilon_decay_steps, global_step)
-    if cfg.num_workers == 1:
+    if num_actors == 1:
         return base
-    return base ** (1 + cfg.epsilon_alpha * index / (cfg.num_workers - 1))
+    return base ** (1 + cfg.epsilon_alpha * actor / (num_actors - 1))
 
 
 class NStepAccumulator:
@@ -250,11 +274,14 @@ def initial_priorities(q_net, batch: dict[str, np.ndarray]) -> np.ndarray:
 
 
 class Actor:
-    """One actor process: epsilon-greedy steps of its envs, n-step transitions into its replay partition."""
+    """One actor process: epsilon-greedy steps of its envs, n-step transitions into its replay partition.
 
-    def __init__(self, link, cfg: Config, shared: dict, replay, envs, seed: int):
+    ``index`` is its place among this rank's actors (the shared counters), ``actor`` among the
+    ``num_actors`` of every rank (its exploration rate)."""
+
+    def __init__(self, link, cfg: Config, shared: dict, replay, envs, seed: int, actor: int, num_actors: int):
         self.link, self.cfg, self.shared, self.replay, self.envs = link, cfg, shared, replay, envs
-        self.index = link.index
+        self.index, self.actor, self.num_actors = link.index, actor, num_actors
         self.params = networks.SharedParams(shared)
         self.q_net = networks.QNetwork(envs.single_observation_space, envs.single_action_space,
                                        tuple(cfg.hidden_sizes))
@@ -297,9 +324,10 @@ class Actor:
             self.version = self.params.fetch(self.q_net) or self.version
             shared["actor_version"][i] = self.version
         # The run's step count estimated from this actor's own progress: reading the other actors'
-        # counters would make exploration depend on scheduling, and sync runs unrepeatable.
-        global_step = int(shared["control"][STEPS_BEFORE] + shared["actor_steps"][i] * cfg.num_workers)
-        epsilon = actor_epsilon(cfg, i, global_step)
+        # counters would make exploration depend on scheduling, and sync runs unrepeatable (and
+        # the actors of other ranks are on other machines).
+        global_step = int(shared["control"][STEPS_BEFORE] + shared["actor_steps"][i] * self.num_actors)
+        epsilon = actor_epsilon(cfg, self.actor, self.num_actors, global_step)
         with torch.inference_mode():
             q_values = self.q_net(torch.as_tensor(self.obs)).numpy()
         actions = dqn.epsilon_greedy(q_values, epsilon, self.rng)
@@ -316,7 +344,8 @@ class Actor:
         self.episodes += [{**episode, "epsilon": epsilon} for episode in result.episodes]
 
 
-def actor_main(link, cfg_dict: dict, env_kwargs: dict, shared_specs: dict, replay_spec: dict, seed: int) -> None:
+def actor_main(link, cfg_dict: dict, env_kwargs: dict, shared_specs: dict, replay_spec: dict, seed: int, actor: int,
+               num_actors: int) -> None:
     """Actor process (run by the supervisor, which reports a crash and restarts it)."""
     set_torch_threads(1)
     cfg = Config(**cfg_dict)
@@ -328,9 +357,9 @@ def actor_main(link, cfg_dict: dict, env_kwargs: dict, shared_specs: dict, repla
             envs = make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, **env_kwargs)
         except Exception as err:  # a bad env id or keyword: no restart can fix it
             raise WorkerConfigError(f"cannot create {cfg.env_id} with {env_kwargs}: {err}") from err
-        actor = Actor(link, cfg, shared, replay, envs, seed)
+        acting = Actor(link, cfg, shared, replay, envs, seed, actor, num_actors)
         link.ready()
-        actor.run()
+        acting.run()
     finally:
         if envs is not None:
             envs.close()
@@ -340,14 +369,37 @@ def actor_main(link, cfg_dict: dict, env_kwargs: dict, shared_specs: dict, repla
             handle.close()
 
 
+def start_actors(run, shared_specs: dict, replay_spec: dict, rank: int) -> Supervisor:
+    """This rank's ``num_workers`` actors; rank r's actor i is actor ``r * num_workers + i`` of the run."""
+    cfg = run.cfg
+    cfg_dict, supervisor = to_dict(cfg), None
+
+    def args_for(index: int) -> tuple:
+        lives = supervisor.workers[index].restarts if supervisor is not None else 0
+        actor = rank * cfg.num_workers + index
+        # Fresh seeds for a restarted actor, so it does not replay the episodes it died in.
+        seed = cfg.seed + actor * cfg.num_envs_per_worker + 1_000_003 * lives
+        return cfg_dict, run.env_kwargs, shared_specs, replay_spec, seed, actor, cfg.num_actors
+
+    supervisor = run.supervise(Supervisor(
+        actor_main, cfg.num_workers, args_for, name="worker", max_restarts=cfg.max_worker_restarts,
+        start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s, logger=run.log))
+    supervisor.start()
+    return supervisor
+
+
 # --------------------------------------------------------------------------- learner
 
 class UltraTrainer:
-    """The learner: sample, update, publish, at the replay ratio, while the actors collect."""
+    """The learner: sample, update, publish, at the replay ratio, while the actors collect.
+
+    Under torchrun (rank 0) it also serves the actor ranks through a :class:`common.hub.Hub`:
+    their transitions go into their own partitions of the replay, their env steps and episodes
+    into the run's counters, and the weights and the rate limit go back with every reply."""
 
     def __init__(self, run):
         cfg, env, counters = run.cfg, run.env, run.counters
-        self.run, self.cfg = run, cfg
+        self.run, self.cfg, self.world = run, cfg, run.dist.world_size
         self.learner = dqn.DQNLearner.for_run(run)
         self.recent_coverage = deque(counters.setdefault("recent_coverage", []), maxlen=100)
         arrays = SharedArrays()
@@ -356,28 +408,46 @@ class UltraTrainer:
         self.params = networks.SharedParams.allocate(arrays, networks.flat_size(self.learner.q_net))
         self.params.publish(self.learner.q_net)
         self.shared = {name: arrays[name] for name in arrays.specs()}
+        self.remote_steps: dict[int, int] = {}  # env steps of each actor rank in this invocation, as it reported
+        self.rank_episodes = [0] * self.world  # episodes each rank finished in this invocation
+        self.allowed: int | None = None  # the rate limiter's bound on every rank's env steps together
+        self.hub, self.ranks_stopped = self.open_hub() if self.world > 1 else None, False
         self.step_offset = counters["global_step"]
         self.shared["control"][STEPS_BEFORE] = self.step_offset
         self.replay = self.make_replay()
+        self.cursor_base = self.replay.arrays["cursors"].copy()  # where this invocation's transitions start
+        self.updates_base, self.inserted_base = self.learner.updates, self.replay.inserted()  # again at the start
+        self.count_steps()
         self.window = self.new_window()
         self.saved_at: tuple[int, int] | None = None  # (updates, steps) of the newest checkpoint
         self.last_saved_episodes = counters["episodes"]
         for note in env.extra.get("notes", []):
             run.log.info("%s", note)
-        self.supervisor = self.start_actors(arrays.specs())
+        self.supervisor = start_actors(run, arrays.specs(), self.replay.writer_spec, rank=0)
         layout = self.replay.layout
         limit = f"rate-limit slack {cfg.slack} steps" if cfg.async_training and cfg.rate_limit else "no rate limit"
-        run.log.info("ultra_parallel_train_dqn: %s, %d actor(s) x %d envs, %s, replay %d slots (%s, %.1f MiB, %s), "
+        run.log.info("ultra_parallel_train_dqn: %s, %d actor(s) x %d envs%s, %s, replay %d slots (%s, %.1f MiB, %s), "
                      "replay ratio %g (%s), learner on %s (precision %s), run dir %s", cfg.env_id, cfg.num_workers,
-                     cfg.num_envs_per_worker, "async" if cfg.async_training else "sync", layout.slots,
+                     cfg.num_envs_per_worker, f" on each of {self.world} ranks" if self.world > 1 else "",
+                     "async" if cfg.async_training else "sync", layout.slots,
                      self.replay.backend, layout.nbytes() / 2**20, "prioritized" if cfg.prioritized else "uniform",
                      cfg.replay_ratio, limit, self.learner.device, self.learner.precision, run.run_dir)
 
+    def open_hub(self) -> Hub:
+        """Meet the actor ranks: refuse those that run something else, hand the others the weights."""
+        run = self.run
+        hub = Hub(run.dist, transition_schema(self.cfg, run.env), run.log)
+        hub.refuse_mismatched(fingerprint(run))
+        hub.publish(control={"go": False}, params=self.params.params[0])
+        self.published = (time.monotonic(), self.params.version(0))  # what the actor ranks were last sent
+        hub.start()
+        # Reached only when the run ends before train() stops the ranks itself: a failure.
+        run.defer(self.stop_ranks, {"reason": "rank 0 failed", "exit_code": EXIT_FAILED})
+        return hub
+
     def make_replay(self):
         cfg, run = self.cfg, self.run
-        space = run.env.observation_space
-        layout = ReplayLayout(cfg.buffer_size, cfg.num_workers, space.shape, storage_dtype(space).name, cfg.prioritized)
-        replay = make_replay(layout, cfg.replay_backend, alpha=cfg.per_alpha)
+        replay = make_replay(replay_layout(cfg, run.env), cfg.replay_backend, alpha=cfg.per_alpha)
         run.defer(replay.close)
         run.log.info("%s", replay.describe())
         replay.seed(cfg.seed)
@@ -388,26 +458,19 @@ class UltraTrainer:
             run.log.info("replay buffer restored: %d transitions", len(replay))
         return replay
 
-    def start_actors(self, shared_specs: dict) -> Supervisor:
-        run, cfg = self.run, self.cfg
-        cfg_dict, replay_spec = to_dict(cfg), self.replay.writer_spec
-
-        def args_for(index: int) -> tuple:
-            lives = self.supervisor.workers[index].restarts if hasattr(self, "supervisor") else 0
-            # Fresh seeds for a restarted actor, so it does not replay the episodes it died in.
-            seed = cfg.seed + index * cfg.num_envs_per_worker + 1_000_003 * lives
-            return cfg_dict, run.env_kwargs, shared_specs, replay_spec, seed
-
-        supervisor = run.supervise(Supervisor(
-            actor_main, cfg.num_workers, args_for, name="worker", max_restarts=cfg.max_worker_restarts,
-            start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s, logger=run.log))
-        supervisor.start()
-        return supervisor
-
     # -- the loop
     def train(self) -> None:
+        self.train_until_stopped()
+        self.stop_ranks(stop_message(self.run))  # after the last checkpoint: every rank ends as this one
+
+    def train_until_stopped(self) -> None:
         run, cfg = self.run, self.cfg
-        for message in self.supervisor.wait_ready(stop=lambda: run.graceful.requested):
+
+        def stop_waiting() -> bool:
+            self.poll_ranks()  # a signal on an actor rank stops the start-up too
+            return run.graceful.requested
+
+        for message in self.supervisor.wait_ready(stop=stop_waiting):
             self.handle(message)
         if run.graceful.requested:
             self.save()  # a resumed run keeps its checkpoint under the ultra names; a fresh one has nothing yet
@@ -418,6 +481,7 @@ class UltraTrainer:
         self.updates_base, self.inserted_base = self.learner.updates, self.replay.inserted()
         self.allow_inserts()
         self.shared["control"][GO] = 1
+        self.share_with_ranks(force=True)
         try:
             while run.stop_reason() is None:
                 if self.checkpoint_due():
@@ -465,12 +529,16 @@ class UltraTrainer:
         return len(self.replay) >= self.cfg.learning_starts and updates + 1 <= self.cfg.replay_ratio * inserted
 
     def allow_inserts(self) -> None:
-        """Rate limiter: the env steps actors may reach before the learner's next updates."""
-        cfg, allowed = self.cfg, np.iinfo(np.int64).max
+        """Rate limiter: the env steps actors may reach before the learner's next updates.
+
+        The bound holds for the actors of every rank together: this rank's may go as far as the
+        bound less what the actor ranks took (each actor rank gets the same sum in its replies)."""
+        cfg = self.cfg
         if cfg.async_training and cfg.rate_limit:
             updates = self.learner.updates - self.updates_base
-            allowed = cfg.learning_starts + cfg.slack + int(updates / cfg.replay_ratio)
-        self.shared["control"][ALLOWED] = allowed
+            self.allowed = cfg.learning_starts + cfg.slack + int(updates / cfg.replay_ratio)
+        others = sum(self.remote_steps.values())
+        self.shared["control"][ALLOWED] = np.iinfo(np.int64).max if self.allowed is None else self.allowed - others
 
     def learn_once(self) -> None:
         cfg, counters = self.cfg, self.run.counters
@@ -486,30 +554,91 @@ class UltraTrainer:
         self.window["rejected"] += stats["rejected"]
 
     def poll(self, timeout: float) -> None:
-        """What the actors sent (episodes; transitions for a message-fed buffer), deaths and restarts handled."""
+        """What the actors sent (episodes; transitions for a message-fed buffer), deaths and restarts handled;
+        then what the actor ranks sent."""
         for message in self.supervisor.poll(timeout):
             self.handle(message)
+        self.poll_ranks()
         self.replay.sync()
-        self.run.counters["global_step"] = self.step_offset + int(self.shared["actor_steps"].sum())
+        self.count_steps()
+
+    def count_steps(self) -> None:
+        # What the summary reports per rank is what global_step counted (the actors step on until stopped).
+        self.counted = self.rank_steps(), self.replay.arrays["cursors"] - self.cursor_base
+        self.run.counters["global_step"] = self.step_offset + sum(self.counted[0])
+
+    def rank_steps(self) -> list[int]:
+        """Env steps each rank's actors took in this invocation, rank 0 first (a lost rank keeps its count)."""
+        return [int(self.shared["actor_steps"].sum())] + [self.remote_steps.get(r, 0) for r in range(1, self.world)]
 
     def handle(self, message) -> None:
         if message.kind == "transitions":
             self.replay.receive(message.index, message.payload)
         elif message.kind == "episodes":
-            run, cfg = self.run, self.cfg
-            run.counters["global_step"] = self.step_offset + int(self.shared["actor_steps"].sum())
-            run.record_episodes(message.payload)
-            coverage = [e["coverage"] for e in message.payload if "coverage" in e]
-            self.recent_coverage.extend(coverage)
-            self.window["coverage"] += coverage
-            self.window["episodes"] += len(message.payload)
-            mean = self.coverage_mean100()
-            if cfg.target_coverage is not None and mean is not None and mean >= cfg.target_coverage:
-                run.request_stop(f"target coverage {cfg.target_coverage} reached (mean of the last 100 = {mean:.3f})")
+            self.count_steps()
+            self.record_episodes(message.payload)
+
+    def record_episodes(self, episodes: list[dict], rank: int = 0) -> None:
+        run, cfg = self.run, self.cfg
+        run.record_episodes(episodes)
+        self.rank_episodes[rank] += len(episodes)
+        coverage = [e["coverage"] for e in episodes if "coverage" in e]
+        self.recent_coverage.extend(coverage)
+        self.window["coverage"] += coverage
+        self.window["episodes"] += len(episodes)
+        mean = self.coverage_mean100()
+        if cfg.target_coverage is not None and mean is not None and mean >= cfg.target_coverage:
+            run.request_stop(f"target coverage {cfg.target_coverage} reached (mean of the last 100 = {mean:.3f})")
+
+    # -- the actor ranks (under torchrun)
+    def poll_ranks(self) -> None:
+        if self.hub is None:
+            return
+        for message in self.hub.drain():
+            self.handle_rank(message)
+        self.allow_inserts()
+        self.share_with_ranks()
+
+    def handle_rank(self, message) -> None:
+        """An actor rank's message (the hub checked it with transition_schema): a signal it caught, its env
+        steps, its transitions, its finished episodes."""
+        info, arrays, rank = message.info, message.arrays, message.rank
+        if "signal" in info:
+            interrupt_from_peer(self.run, rank, info["signal"])
+        self.remote_steps[rank] = max(self.remote_steps.get(rank, 0), info.get("steps", 0))
+        start = 0
+        for index, rows in enumerate(info.get("rows", [])):  # the rank's actor k writes partition k of its block
+            self.write_rank(rank * self.cfg.num_workers + index, {k: a[start:start + rows] for k, a in arrays.items()})
+            start += rows
+        episodes = episode_numbers(info.get("episodes", []))
+        if episodes:
+            self.count_steps()
+            self.record_episodes(episodes, rank)
+
+    def write_rank(self, writer: int, batch: dict[str, np.ndarray]) -> None:
+        part = self.replay.layout.part_capacity  # a partition takes at most its own size at once
+        for lo in range(0, len(batch["actions"]), part):
+            self.replay.receive(writer, {k: a[lo:lo + part] for k, a in batch.items()})
+
+    def share_with_ranks(self, force: bool = False) -> None:
+        """What the next replies to the actor ranks carry: the start flag, the rate limit, every rank's steps
+        and, when the learner has published newer ones, the weights (at most every SHIP_INTERVAL_S)."""
+        if self.hub is None or not force and time.monotonic() - self.published[0] < SHIP_INTERVAL_S:
+            return
+        control = {"go": bool(self.shared["control"][GO]), "allowed": self.allowed, "rank_steps": self.rank_steps()}
+        changed = self.params.version(0) != self.published[1]
+        self.hub.publish(control, params=self.params.params[0] if changed else None)
+        self.published = (time.monotonic(), self.params.version(0))
+
+    def stop_ranks(self, stop: dict) -> None:
+        """Every actor rank's last reply says why the run stopped and with which exit status (once)."""
+        if self.hub is not None and not self.ranks_stopped:
+            self.ranks_stopped = True
+            self.hub.close(stop)
 
     def new_window(self) -> dict:
         return {"time": time.monotonic(), "steps": self.run.counters["global_step"], "episodes": 0, "losses": [],
-                "updates": 0, "rejected": 0, "coverage": []}
+                "updates": 0, "rejected": 0, "coverage": [], "rank_steps": self.rank_steps()}
 
     def coverage_mean100(self) -> float | None:
         return float(np.mean(self.recent_coverage)) if len(self.recent_coverage) == 100 else None
@@ -521,8 +650,9 @@ class UltraTrainer:
         if run.counters["global_step"] == window["steps"]:
             return
         seconds = max(1e-9, now - window["time"])
-        epsilons = [actor_epsilon(cfg, i, run.counters["global_step"]) for i in range(cfg.num_workers)]
+        epsilons = [actor_epsilon(cfg, i, cfg.num_actors, run.counters["global_step"]) for i in (0, cfg.num_actors - 1)]
         version = self.params.version(0)
+        rank_sps = [(now_steps - then) / seconds for now_steps, then in zip(self.rank_steps(), window["rank_steps"])]
         row = {"coverage": _mean(window["coverage"]), "coverage_mean100": self.coverage_mean100(),
                "loss": _mean(window["losses"]), "epsilon_max": max(epsilons), "epsilon_min": min(epsilons),
                "buffer_size": len(self.replay), "buffer_fill": len(self.replay) / self.replay.layout.slots,
@@ -530,7 +660,7 @@ class UltraTrainer:
                "samples_per_s": window["updates"] * cfg.batch_size * cfg.grad_accum_steps / seconds,
                "episodes_per_s": window["episodes"] / seconds,
                "policy_lag": float(version - shared["actor_version"].mean()), "weights_version": version,
-               "torn_samples_skipped": window["rejected"]}
+               "torn_samples_skipped": window["rejected"], "rank_sps": ":".join(f"{v:.0f}" for v in rank_sps)}
         progress = {"buf": len(self.replay), "loss": row["loss"], "upd/s": round(row["updates_per_s"]),
                     "lag": round(row["policy_lag"], 1)}
         if self.recent_coverage:
@@ -572,10 +702,14 @@ class UltraTrainer:
         return self.learner.state_dict()
 
     def summary(self) -> dict:
-        cfg = self.cfg
+        cfg, (steps, written) = self.cfg, self.counted
         return {"async_training": cfg.async_training, "prioritized": cfg.prioritized,
                 "precision": self.learner.precision, "replay_backend": self.replay.backend,
-                "buffer_size": cfg.buffer_size, "final_mean_coverage": self.coverage_mean100()}
+                "buffer_size": cfg.buffer_size, "final_mean_coverage": self.coverage_mean100(),
+                "rank_steps": {str(r): n for r, n in enumerate(steps)},
+                "rank_transitions": {str(r): int(n) for r, n in enumerate(written.reshape(self.world, -1).sum(1))},
+                "rank_episodes": {str(r): n for r, n in enumerate(self.rank_episodes)},
+                **(self.hub.summary() if self.hub is not None else {})}
 
     def plot(self, run) -> None:
         from common.runlog import read_metrics
@@ -584,6 +718,185 @@ class UltraTrainer:
         plot_results(read_metrics(run.run_dir / "metrics.csv"), run.run_dir / "plots" / "ultra_training_results.png",
                      f"ultra_parallel_train_dqn: {cfg.env_id}, {cfg.num_workers} actor(s) x {cfg.num_envs_per_worker} "
                      f"envs, {'async' if cfg.async_training else 'sync'}")
+
+
+# --------------------------------------------------------------------------- past one machine
+# Under torchrun every rank but 0 runs actors only. Their transitions reach the rank's main process
+# on their pipes (the message-fed replay path, with no replay on this rank); it ships them to rank 0
+# in one message every SHIP_INTERVAL_S, and rank 0 writes them into the partitions of that rank's
+# actors. Rank 0's replies carry the weights, the start flag and the rate limit back.
+
+SHIP_INTERVAL_S = 0.05  # an actor rank sends (and gets new weights) this often: 20 messages/s, 50 ms of lag at most
+# Settings that shape the transitions, the network or the actors: equal on every rank, or a rank is refused.
+FINGERPRINT_FIELDS = ("n_step", "gamma", "prioritized", "hidden_sizes", "num_workers", "num_envs_per_worker",
+                      "async_training", "epsilon_start", "epsilon_end", "epsilon_decay_steps", "epsilon_alpha")
+
+
+def replay_layout(cfg: Config, env) -> ReplayLayout:
+    """Rank 0's replay: buffer_size slots, one partition per actor of every rank (rank r's block follows r - 1's)."""
+    space = env.observation_space
+    return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name, cfg.prioritized)
+
+
+def fingerprint(run) -> dict:
+    """What every rank must share with rank 0 for its transitions to fit rank 0's replay and network."""
+    cfg, space = run.cfg, run.env.observation_space
+    return {"script": MODE.script, "code": code_digest(__file__), "env_id": cfg.env_id, "env_kwargs": run.env_kwargs,
+            "observation": [list(space.shape), storage_dtype(space).name], "actions": int(run.env.action_space.n),
+            **{name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}}
+
+
+def transition_schema(cfg: Config, env) -> Schema:
+    """The arrays an actor rank may send: n-step transitions of this run's shapes, observations in the
+    replay's own dtype (uint8 frames stay uint8 on the wire), values in their ranges."""
+    space = env.observation_space
+    obs = Field(storage_dtype(space).name, tuple(space.shape))
+    fields = {"obs": obs, "next_obs": obs,
+              "actions": Field("int64", low=0, high=env.action_space.n - 1, integral=True),
+              "rewards": Field("float32"),  # any finite value (the hub refuses NaN and infinities)
+              "dones": Field("float32", low=0, high=1, integral=True),
+              "discounts": Field("float32", low=0, high=1)}
+    if cfg.prioritized:
+        fields["priorities"] = Field("float32", low=0)
+    return Schema(fields, rule=lambda info, arrays: remote_problem(info, arrays, set(fields), cfg.num_workers))
+
+
+def remote_problem(info: dict, arrays: dict[str, np.ndarray], names: set[str], num_workers: int) -> str | None:
+    """Why an actor rank's message cannot be used (None when it can): the hub's rule, after it checked
+    every array's dtype, row shape and range. The arrays must form one whole batch, its split among
+    the rank's actors and the counts must add up, and the episodes must be numbers."""
+    steps, signal = info.get("steps", 0), info.get("signal", 2)
+    if type(steps) is not int or steps < 0 or type(signal) is not int:
+        return f"an env step count of {str(steps)[:40]} or a signal {str(signal)[:40]}"
+    if episode_numbers(info.get("episodes", [])) is None:
+        return f"episodes that are not numbers ({str(info.get('episodes'))[:80]})"
+    if not arrays:
+        return None
+    if set(arrays) != names:
+        return f"the arrays {sorted(arrays)} instead of {sorted(names)}"
+    rows = info.get("rows")
+    if not (isinstance(rows, list) and len(rows) == num_workers and all(type(n) is int and n >= 0 for n in rows)
+            and sum(rows) == len(arrays["actions"])):
+        return f"{len(arrays['actions'])} transitions split among {num_workers} actors as {str(rows)[:80]}"
+    return None
+
+
+def one_batch(batches: list[dict[str, np.ndarray]], schema: Schema) -> dict[str, np.ndarray]:
+    """Transition batches as one array per field of ``schema``, in its dtype (the replay's: uint8 stays uint8)."""
+    if not batches:
+        return {}
+    return {name: np.concatenate([batch[name] for batch in batches]).astype(spec.dtype, copy=False)
+            for name, spec in schema.fields.items()}
+
+
+def episode_numbers(episodes) -> list[dict] | None:
+    """Finished episodes as plain numbers (return, length, coverage), or None if they are not numbers:
+    what an actor rank sends, and what rank 0 accepts from one."""
+    try:
+        out = [{"return": float(e["return"]), "length": int(e["length"]),
+                **({"coverage": float(e["coverage"])} if "coverage" in e else {})} for e in episodes]
+    except (TypeError, KeyError, ValueError, OverflowError):
+        return None
+    if all(math.isfinite(e["return"]) and e["length"] >= 0 and 0 <= e.get("coverage", 0) <= 1 for e in out):
+        return out
+    return None
+
+
+class ActorRank:
+    """A rank other than 0: its own ``num_workers`` actors, and what they collect shipped to rank 0.
+
+    Nothing here decides when the run ends: the loop ships until rank 0's reply says stop (a
+    signal caught here goes to rank 0 with the next message, and its stop comes back)."""
+
+    def __init__(self, run):
+        cfg, env = run.cfg, run.env
+        self.run, self.cfg, self.rank = run, cfg, run.dist.rank
+        set_torch_threads(1)  # this process only copies weights: the cores are the actors'
+        self.spoke = Spoke(run.dist)
+        self.spoke.refuse_mismatched(fingerprint(run))
+        self.schema = transition_schema(cfg, env)
+        self.q_net = networks.QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
+        arrays = SharedArrays()
+        run.defer(arrays.unlink_all)
+        control_arrays(arrays, cfg.num_workers)
+        self.params = networks.SharedParams.allocate(arrays, networks.flat_size(self.q_net))
+        self.shared = {name: arrays[name] for name in arrays.specs()}
+        self.shared["control"][STEPS_BEFORE] = run.counters["global_step"]
+        self.shared["control"][ALLOWED] = np.iinfo(np.int64).max  # until rank 0's rate limiter says otherwise
+        self.pending: list[list[dict]] = [[] for _ in range(cfg.num_workers)]  # transition batches, per actor
+        self.episodes: list[dict] = []
+        self.steps_sent, self.shipped_at, self.stop = 0, 0.0, None
+        self.ship()  # the first reply brings rank 0's weights, which the actors wait for
+        writer_spec = {"backend": "queue", "layout": replay_layout(cfg, env)}  # actors send on their pipes
+        self.supervisor = start_actors(run, arrays.specs(), writer_spec, self.rank)
+        first = self.rank * cfg.num_workers
+        run.log.info("actor rank %d: actors %d-%d of %d (x %d envs), shipping transitions to rank 0 every %.0f ms",
+                     self.rank, first, first + cfg.num_workers - 1, cfg.num_actors, cfg.num_envs_per_worker,
+                     SHIP_INTERVAL_S * 1000)
+
+    def train(self) -> None:
+        while self.stop is None:
+            wait = SHIP_INTERVAL_S - (time.monotonic() - self.shipped_at)
+            for message in self.supervisor.poll(max(0.0, wait)):
+                self.handle(message)
+            if time.monotonic() - self.shipped_at >= SHIP_INTERVAL_S:
+                self.ship()
+        if self.stop.get("exit_code") == EXIT_FAILED:
+            raise PeerFailure(f"rank {self.rank}: {self.stop.get('reason', 'rank 0 failed')}")
+        follow_stop(self.run, self.stop)
+
+    def handle(self, message) -> None:
+        if message.kind == "transitions":
+            self.pending[message.index].append(message.payload)
+        elif message.kind == "episodes":
+            self.episodes += episode_numbers(message.payload) or []
+
+    def ship(self) -> None:
+        """One message to rank 0 with what is new (nothing at all: a heartbeat), and its reply applied."""
+        run, shared = self.run, self.shared
+        info: dict = {}
+        steps = int(shared["actor_steps"].sum())
+        if steps != self.steps_sent:
+            info["steps"] = steps
+        rows = [sum(len(batch["actions"]) for batch in batches) for batches in self.pending]
+        if sum(rows):
+            info["rows"] = rows
+        if self.episodes:
+            run.record_episodes(self.episodes)  # for this rank's own closing log line
+            info["episodes"], self.episodes = self.episodes, []
+        if run.graceful.requested:
+            info["signal"] = run.graceful.signum
+        batches = [batch for per_actor in self.pending for batch in per_actor]  # actor 0's first, as in rows
+        self.pending = [[] for _ in self.pending]
+        reply = self.spoke.exchange(info, one_batch(batches, self.schema))
+        self.steps_sent, self.shipped_at = steps, time.monotonic()
+        run.counters["global_step"] = int(shared["control"][STEPS_BEFORE]) + steps
+        self.apply(reply)
+
+    def apply(self, reply) -> None:
+        if reply.stop is not None:
+            self.stop = reply.stop
+            return
+        if reply.params is not None:
+            networks.read_flat_params(self.q_net, reply.params)
+            self.params.publish(self.q_net)
+        control = reply.control
+        if control.get("allowed") is not None:  # the bound is on every rank's steps: the others' count against it
+            others = sum(control["rank_steps"]) - control["rank_steps"][self.rank]
+            self.shared["control"][ALLOWED] = control["allowed"] - others
+        if control.get("go"):
+            self.shared["control"][GO] = 1
+
+    def state_dict(self) -> None:
+        return None  # rank 0 keeps the run's state
+
+    def summary(self) -> dict:
+        return {}
+
+
+def trainer_for(run):
+    """The learner on rank 0 (and without torchrun); actors only on every other rank."""
+    return UltraTrainer(run) if run.dist.is_main else ActorRank(run)
 
 
 def _mean(values) -> float:
@@ -632,14 +945,14 @@ def plot_results(rows: list[dict], path, title: str) -> None:
     plt.close(fig)
 
 
-MODE = Mode("ultra_parallel_train_dqn", Config, UltraTrainer, description=__doc__.split("\n\n")[0],
+MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), checkpoint_pattern=CHECKPOINT_PATTERN,
             resume_requires=("model", "target", "optimizer"),
             env_kwargs=lambda cfg: cfg.grid_kwargs(), check=check_memory,
             metrics_columns=["coverage", "coverage_mean100", "loss", "epsilon_max", "epsilon_min", "buffer_size",
                              "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s", "episodes_per_s",
-                             "policy_lag",
-                             "weights_version", "torn_samples_skipped"])
+                             "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
+            distributed=True)
 
 
 def main(argv: list[str] | None = None) -> int:
