@@ -26,7 +26,7 @@ import numpy as np
 from common.config import require, to_dict
 from common.lazy import lazy_import
 from common.normalize import NormalizationSettings
-from common.run import Mode, RunConfig, TrainingDiverged, run_training
+from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
 from common.shm import SharedArrays, attach_all
 from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
@@ -317,6 +317,14 @@ MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.spli
             metrics_columns=["collect_sps", "learning_rate", "policy_loss", "value_loss", "entropy", "approx_kl",
                              "clipfrac", "explained_variance", "update_ms", "allreduce_ms", "allreduce_kib",
                              "params_hash", "world_size"])
+
+
+def train(config: Config | None = None, **fields) -> dict:
+    """The same run from Python: ``train(Config(env_id="CartPole-v1"))`` or ``train(env_id="CartPole-v1")``.
+
+    Returns the summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``.
+    """
+    return train_in_process(MODE, config if config is not None else Config(**fields))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,8 +161,9 @@ def _build_parser(groups: dict[str, type], description: str | None) -> argparse.
 
 
 def parse_args(spec: type | dict[str, type], argv: list[str] | None = None,
-               description: str | None = None) -> tuple[Any, argparse.Namespace]:
-    """Like :func:`parse_config`, and also returns the command-line actions (``validate_only``)."""
+               description: str | None = None, exit_on_error: bool = True) -> tuple[Any, argparse.Namespace]:
+    """Like :func:`parse_config`, and also returns the command-line actions (``validate_only``).
+    With ``exit_on_error=False`` a bad value raises ConfigError instead of exiting (the Python API)."""
     groups = _groups(spec)
     owner = {f.name: name for name, cls in groups.items() for f in dataclasses.fields(cls)}
     parser = _build_parser(groups, description)
@@ -186,6 +187,8 @@ def parse_args(spec: type | dict[str, type], argv: list[str] | None = None,
             for hook in {type(c).__dict__.get("validate_together") for c in configs.values()} - {None}:
                 hook(configs)
     except ConfigError as err:
+        if not exit_on_error:
+            raise
         fail(str(err))
     return (configs[""] if "" in configs else configs), actions
 

@@ -65,6 +65,7 @@ from common.runlog import (
     MetricsWriter,
     Progress,
     RunLock,
+    close_log_files,
     default_run_dir,
     read_metrics,
     setup_logging,
@@ -288,6 +289,10 @@ class GracefulExit:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> GracefulExit:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python accepts handlers from the main thread only; a run from a thread keeps the defaults
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -321,8 +326,9 @@ class TimeBudget:
     """Where the wall time of the whole process went: start-up (process start to the first env
     step), collecting, learning, waiting on workers, checkpointing, logging, shutting down."""
 
-    def __init__(self):
-        self.process_start = _process_start_time()
+    def __init__(self, started: float | None = None):
+        # A run called from Python (train()) counts from the call: the process may have run others before.
+        self.process_start = started or _process_start_time()
         self.seconds = dict.fromkeys(BUDGET_PARTS, 0.0)
         self.first_step: float | None = None
 
@@ -549,6 +555,7 @@ class Run:
             self.progress.close()
             self.metrics.close()
             self._lock.release()
+        close_log_files(self.log)
 
 
 def _mean(values: list[float]) -> float:
@@ -584,9 +591,10 @@ def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
     return {**mode.env_kwargs(cfg), **parse_env_kwargs(getattr(cfg, "env_kwargs", []))}
 
 
-def prepare(mode: Mode, argv: list[str] | None) -> tuple[Any, EnvInfo, Path, Path | None, dict | None, bool]:
+def prepare(mode: Mode, argv: list[str] | None,
+            exit_on_error: bool = True) -> tuple[Any, EnvInfo, Path, Path | None, dict | None, bool]:
     """Steps 1 and the checks of step 2: everything that may exit 2 before anything is written."""
-    parsed, actions = parse_args(mode.config, argv, mode.description)
+    parsed, actions = parse_args(mode.config, argv, mode.description, exit_on_error)
     cfg = FlatConfig(parsed) if isinstance(parsed, dict) else parsed
     env = mode.probe(cfg) if mode.probe else probe_env(cfg.env_id, env_kwargs_of(mode, cfg), mode.actions, cfg.seed)
     if mode.check is not None:
@@ -652,23 +660,56 @@ def open_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Pat
 
 def run_training(mode: Mode, argv: list[str] | None = None) -> int:
     """The whole lifecycle of one run of ``mode``; returns the exit status."""
-    budget = TimeBudget()
     try:
-        cfg, env, run_dir, resume_path, state, validate_only = prepare(mode, argv)
-        if validate_only:
-            print(config_yaml(_groups_or_config(cfg)), end="")
-            return EXIT_OK
-        from common.shm import reclaim_stale_segments
-
-        reclaim_stale_segments()
-        if mode.distributed:
-            run = open_distributed_run(mode, cfg, env, run_dir, resume_path, state, budget)
-        else:
-            run = open_run(mode, cfg, env, run_dir, resume_path, state, budget)
+        run = open_any_run(mode, argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    return execute(mode, run)
+    return EXIT_OK if run is None else execute(mode, run)
+
+
+def open_any_run(mode: Mode, argv: list[str] | None, exit_on_error: bool = True,
+                 budget: TimeBudget | None = None) -> Run | None:
+    """Steps 1 to 3 (None for --validate-only, after printing the config); ConfigError for a bad one."""
+    budget = budget or TimeBudget()
+    cfg, env, run_dir, resume_path, state, validate_only = prepare(mode, argv, exit_on_error)
+    if validate_only:
+        print(config_yaml(_groups_or_config(cfg)), end="")
+        return None
+    from common.shm import reclaim_stale_segments
+
+    reclaim_stale_segments()
+    if mode.distributed:
+        return open_distributed_run(mode, cfg, env, run_dir, resume_path, state, budget)
+    return open_run(mode, cfg, env, run_dir, resume_path, state, budget)
+
+
+def train_in_process(mode: Mode, config: Any) -> dict:
+    """The Python entry point (``train(config)`` in every script): the same run as the command line.
+
+    ``config`` is the script's ``Config`` (or, for a grouped script, a dict of its group
+    dataclasses); it goes through the same checks as a ``--config`` file. Returns what
+    ``summary.json`` holds, plus ``run_dir``. A bad config raises ValueError (nothing written),
+    a directory locked by another run RuntimeError; a run that fails returns its summary with
+    ``exit_code`` 1 and ``stop_reason`` saying why. Ctrl+C (KeyboardInterrupt in a notebook) stops
+    the run as on the command line: a checkpoint, then the summary is returned with
+    ``stop_reason`` "interrupted" and ``exit_code`` 130. Nothing outlives the call: workers,
+    shared memory, signal handlers and log files are all released, so it can be called again.
+    """
+    import tempfile
+
+    budget = TimeBudget(started=time.time())
+    with tempfile.TemporaryDirectory(prefix="prl_config_") as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(config_yaml(config))
+        try:
+            run = open_any_run(mode, ["--config", str(path)], exit_on_error=False, budget=budget)
+        except ConfigError as err:
+            raise ValueError(str(err).replace(f"--config {str(path)!r}: ", "")) from None
+        except SystemExit as exit_:
+            raise RuntimeError(f"cannot start the run (exit status {exit_.code}); see the line above") from None
+    execute(mode, run)
+    return {**run.final_summary, "run_dir": str(run.run_dir)}
 
 
 def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Path | None,
@@ -766,6 +807,7 @@ def finish(run: Run, trainer: Any, exit_code: int, reason: str, save: bool) -> i
              summary["best_mean_return"], budget["process_s"],
              ", ".join(f"{k[:-2]} {v:.1f}" for k, v in budget.items() if k != "process_s"), run.run_dir)
     log.info("exit status %d", exit_code)
+    run.final_summary = summary
     run.close()
     run.dist.close(abort=exit_code == EXIT_FAILED)
     run.graceful.uninstall()

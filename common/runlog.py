@@ -77,6 +77,15 @@ def setup_logging(path: Path, logger_name: str = "prl", console: bool = False,
     return logging.getLogger(logger_name)
 
 
+def close_log_files(logger: logging.Logger) -> None:
+    """Detach and close the handlers :func:`setup_logging` gave ``logger``'s root (a run called from
+    Python ends with nothing of it left behind)."""
+    root = logging.getLogger(logger.name.split(".")[0])
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+
+
 class MetricsWriter:
     """Appends rows to ``metrics.csv`` and mirrors every numeric value to TensorBoard.
 

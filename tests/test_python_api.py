@@ -1,0 +1,75 @@
+"""train(config) -> summary from Python, as a notebook calls it: twice in one process, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT, script_env
+
+PROGRAM = textwrap.dedent('''
+    import json, logging, os, signal, sys, threading
+    import psutil
+    import train_parallel_timed as timed
+
+    def leftovers():
+        children = [c for c in psutil.Process().children(recursive=True)
+                    if "resource_tracker" not in " ".join(c.cmdline())]
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"prl_{os.getpid()}_")]
+        return {"children": len(children), "segments": segments, "threads": threading.active_count(),
+                "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                "log_handlers": len(logging.getLogger("prl").handlers)}
+
+    if __name__ == "__main__":
+        out = {}
+        tiny = dict(env_id="CartPole-v1", num_workers=2, num_envs_per_worker=4, n_steps=32, batch_size=64,
+                    tensorboard=False)
+        out["first"] = timed.train(timed.Config(**tiny, total_timesteps=1024, output_dir=sys.argv[1] + "/a"))
+        out["after_first"] = leftovers()
+        out["second"] = timed.train(**tiny, total_timesteps=1024, output_dir=sys.argv[1] + "/b")
+        try:
+            timed.train(**{**tiny, "num_workers": -1}, total_timesteps=1024, output_dir=sys.argv[1] + "/c")
+        except ValueError as err:
+            out["bad"] = str(err)
+        # Ctrl+C in a notebook: SIGINT to the process while a run is in flight.
+        first_update = threading.Event()
+        def interrupt_after_an_update():
+            first_update.wait(60)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt_after_an_update, daemon=True).start()
+        class Watch(logging.Handler):
+            def emit(self, record):
+                if "checkpoint saved" in record.getMessage() or "update 1" in record.getMessage():
+                    first_update.set()
+        watch = Watch()
+        logging.getLogger("prl").addFilter(lambda record: watch.emit(record) or True)
+        out["interrupted"] = timed.train(**{**tiny, "num_workers": 1}, total_timesteps=10**8, target_return="none",
+                                         checkpoint_interval_s=0.5, output_dir=sys.argv[1] + "/d")
+        out["after_all"] = leftovers()
+        print(json.dumps(out))
+''')
+
+
+@pytest.mark.timeout(240)
+def test_train_from_python_twice_interrupted_and_clean(tmp_path):
+    program = tmp_path / "notebook.py"
+    program.write_text(PROGRAM)
+    result = subprocess.run([sys.executable, str(program), str(tmp_path)], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for key, directory in (("first", "a"), ("second", "b")):
+        summary = out[key]
+        assert summary["exit_code"] == 0 and summary["global_step"] == 1024, summary
+        assert summary["time_budget"]["process_s"] < 60  # counted from the call, not from the process start
+        on_disk = json.loads((tmp_path / directory / "summary.json").read_text())
+        assert summary == {**on_disk, "run_dir": str(tmp_path / directory)}
+    assert out["bad"].startswith("--num-workers -1: must be >= 0") and not (tmp_path / "c").exists()
+    interrupted = out["interrupted"]
+    assert interrupted["stop_reason"] == "interrupted" and interrupted["exit_code"] == 130
+    assert (tmp_path / "d" / "checkpoints" / "latest.pt").exists() and interrupted["global_step"] > 0
+    for state in (out["after_first"], out["after_all"]):
+        assert state == {"children": 0, "segments": [], "threads": 1, "sigint_default": True, "log_handlers": 0}, state
