@@ -16,10 +16,17 @@ end every final agent is evaluated on the same held-out windows of the history,
 agents by perturbed copies of the strongest. Any Gymnasium id with a Discrete or Box action
 space trains the same way, without a cache.
 
+Under torchrun every rank runs ``num_workers`` members of one population, numbered globally
+(rank r's worker i is member ``r * num_workers + i``), each node over its own shared copy of the
+cache. Rank 0 coordinates all of them as above and alone writes the run directory: the other ranks
+(``PopulationNode``) forward their workers' reports and checkpoints to it (common.population_relay)
+and hand their workers its answers, so PBT, the leaderboard and ``best.pt`` span every node.
+
     python train_ppo_multiprocess.py                                   # 4 workers on the synthetic market
     python train_ppo_multiprocess.py --num-workers 8 --learning-rate 1e-4 1e-3 --sample-ranges learning_rate
     python train_ppo_multiprocess.py --data-source prices.csv --top-n-items 50 --duration 2
     python train_ppo_multiprocess.py --output-dir runs/pop --resume auto   # continue every worker
+    torchrun --nnodes 2 --nproc-per-node 1 ... train_ppo_multiprocess.py --num-workers 8   # 16 members on 2 nodes
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import copy
 import csv
+import hashlib
 import math
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -44,8 +54,11 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, require, require_env_id, require_positive
+from common.distributed import launched_by_torchrun
+from common.hub import code_digest, stop_message
 from common.lazy import lazy_import
 from common.normalize import NormalizationSettings
+from common.population_relay import POLL_S, MemberForwarder, Place, RemoteMembers
 from common.run import (
     RECENT,
     EnvInfo,
@@ -68,6 +81,11 @@ torch, checkpoints, envs_lib, market, networks, optim, ppo = map(lazy_import, (
     "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.optim", "common.ppo"))
 
 PER_WORKER = ("learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef")  # may differ between workers
+
+
+def population_size(num_workers: int) -> int:
+    """Members in all: ``num_workers`` on every rank of a torchrun job, else ``num_workers``."""
+    return num_workers * (int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1)
 
 
 @dataclass
@@ -164,20 +182,22 @@ class PPOKwargs(NormalizationSettings):
         rollout = ppo_cfg.n_steps * envs
         require(rollout % ppo_cfg.batch_size == 0, "batch_size", ppo_cfg.batch_size,
                 f"must divide the rollout of n_steps * num_envs_per_worker = {ppo_cfg.n_steps} * {envs} = {rollout}")
+        members = population_size(train.num_workers)
+        each = (f"one per worker ({members})" if members == train.num_workers else
+                f"one per member ({members}: {members // train.num_workers} ranks x {train.num_workers} workers)")
         for name in PER_WORKER:
             values = getattr(ppo_cfg, name)
             if name in ppo_cfg.sample_ranges:
                 require(len(values) == 2 and values[0] <= values[1], name, values,
                         "is in sample_ranges, so it needs two values low high")
             else:
-                require(len(values) in (1, train.num_workers), name, values,
-                        f"needs 1 value or one per worker ({train.num_workers})")
+                require(len(values) in (1, members), name, values, f"needs 1 value or {each}")
 
 
 @dataclass
 class TrainKwargs(RunConfig):
     seed: int = 1  # worker i seeds torch with seed + i and its envs with seed + i * num_envs_per_worker + j
-    num_workers: int = 4  # independent agents, one process each
+    num_workers: int = 4  # independent agents, one process each (under torchrun: on each rank)
     num_envs_per_worker: int = 8  # environments each worker steps at once (numpy-vectorized)
     max_steps_per_worker: int | None = 1_000_000  # env steps each worker trains for (none: until duration or Ctrl+C)
     duration: float | None = None  # hours of wall time; then every worker saves, is evaluated, and the run ends
@@ -251,9 +271,10 @@ def worker_hyperparams(cfg, num_workers: int, seed: int) -> list[dict[str, float
 class WorkerSetup:
     """What a worker gets, small and picklable: the config, shared-memory specs, its device and seeds."""
 
+    member: int  # the worker's number in the whole population (its local index plus its rank's first)
     config: dict[str, Any]  # flat
     env_kwargs: dict[str, Any]  # gymnasium.make kwargs, plain values
-    run_dir: str
+    run_dir: str  # where it writes checkpoints/ and logs/ (a rank > 0: its node's scratch directory)
     data_specs: dict | None  # the shared market cache (None for other envs)
     item_indices: list[int] | None
     device: str
@@ -266,7 +287,7 @@ class WorkerSetup:
 def population_worker(link, setup: WorkerSetup) -> None:
     """Worker process: one agent, from its newest checkpoint until its budget, its target or a stop."""
     set_torch_threads(setup.threads)
-    log = setup_logging(Path(setup.run_dir) / "logs" / f"worker_{link.index}.log", f"prl.worker{link.index}")
+    log = setup_logging(Path(setup.run_dir) / "logs" / f"worker_{setup.member}.log", f"prl.worker{setup.member}")
     data, handles = market.attach_market_data(setup.data_specs) if setup.data_specs else (None, [])
     try:
         agent = Agent(link, setup, data, log)
@@ -274,7 +295,7 @@ def population_worker(link, setup: WorkerSetup) -> None:
         if agent.train():
             agent.finish()
     except Exception:
-        log.exception("worker %d failed", link.index)
+        log.exception("worker %d failed", setup.member)
         raise
     finally:
         for handle in handles:
@@ -287,7 +308,7 @@ class Agent:
     def __init__(self, link, setup: WorkerSetup, data, log):
         self.link, self.setup, self.data, self.log = link, setup, data, log
         self.cfg = cfg = config_from_dict(setup.config)
-        self.index, self.hyper = link.index, dict(setup.hyper)
+        self.index, self.hyper = setup.member, dict(setup.hyper)
         torch.manual_seed(cfg.seed + self.index)
         np.random.seed(cfg.seed + self.index)
         n = cfg.num_envs_per_worker
@@ -551,8 +572,21 @@ def evaluate(envs, act, episodes: int, seed: int) -> dict[str, float]:
 
 # ------------------------------------------------------------------------- the coordinator
 
+# Past one machine (common.population_relay): where the files a member's messages name land on the
+# rank that receives them, what a rank's workers may report to rank 0, and what rank 0 may answer one.
+FILE_PLACES = (Place(r"worker_(?P<member>\d+)_(step_\d+|final)\.pt", "checkpoints"),
+               Place(r"worker_(?P<member>\d+)\.log", "logs", append=True))
+REPORTS = ("ready", "update", "pbt_ready", "done", "diverged", "restarted", "given_up")
+COMMANDS = ("pbt",)  # the stop reaches every rank at once (RemoteMembers.stop_members)
+# Settings that may differ between nodes; every other one must equal rank 0's (the fingerprint).
+NODE_LOCAL = ("output_dir", "resume", "data_source", "cache_dir", "device", "gpu_strategy", "num_gpus",
+              "threads_per_worker", "tensorboard", "log_interval_s")
+REMOTE_STOP_SLACK_S = 5.0  # past stop_timeout_s, for the other ranks' last reports to arrive
+
+
 @dataclass
 class WorkerStatus:
+    rank: int = 0  # whose node runs it
     step: int = 0
     episodes: int = 0
     recent_return: float = math.nan
@@ -560,34 +594,76 @@ class WorkerStatus:
     hyper: dict = field(default_factory=dict)
     result: dict | None = None  # the "done" report
     failures: list[str] = field(default_factory=list)
+    restarts: int = 0
     gave_up: bool = False
     diverged: str | None = None
+    lost: str | None = None  # its node was lost, and why
     pbt_score: float | None = None
     pbt_path: str | None = None
 
     @property
     def active(self) -> bool:
-        return self.result is None and not self.gave_up and self.diverged is None
+        return self.result is None and not self.gave_up and self.diverged is None and self.lost is None
+
+
+def share_market_data(run) -> tuple[Any, dict | None]:
+    """Market-v0: this node's one copy of the history in shared memory, which every worker here
+    attaches (under torchrun each rank makes its own); (None, None) for other envs."""
+    data = run.env.extra.pop("data", None)
+    if data is None:
+        return None, None
+    shared, specs = market.share_market_data(data)
+    run.defer(shared.unlink_all)
+    cache = run.env.extra["cache"]
+    run.log.info("market cache %s: %d items x %d steps (%s), %s in %.2f s, shared as %s", cache["path"],
+                 data.num_items, data.num_steps, format_bytes(data.nbytes), "built" if cache["built"] else "loaded",
+                 cache["seconds"], specs["prices"].name)
+    return market.MarketData(*(shared[f"market_{k}"] for k in market.CACHE_ARRAYS), [], "shared memory"), specs
+
+
+def fingerprint(run, data) -> dict:
+    """What every rank must share with rank 0 to train members of one population: the code, the
+    settings (but NODE_LOCAL), the env's spaces and the market history itself."""
+    history = None
+    if data is not None:
+        digest = hashlib.sha1()
+        for array in (data.prices, data.volumes):
+            digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        history = digest.hexdigest()[:12]
+    settings = {k: v for k, v in config_dict(run.cfg).items() if k not in NODE_LOCAL}
+    return {"script": MODE.script, "code": code_digest(__file__), "settings": settings,
+            "spaces": [str(run.env.observation_space), str(run.env.action_space)], "market": history,
+            "item_indices": run.env.extra.get("item_indices")}
+
+
+def member_workers(run, args_for, name: str = "worker") -> Supervisor:
+    """This rank's workers, one process per member, restarted from their newest checkpoint when they die."""
+    cfg = run.cfg
+    return run.supervise(Supervisor(
+        population_worker, cfg.num_workers, args_for, name=name, max_restarts=cfg.max_worker_restarts,
+        start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s,
+        on_give_up="worker", logger=run.log))
+
+
+def population(run):
+    """The trainer of every rank: the coordinator on rank 0 (and on one machine), a node of members elsewhere."""
+    return Population(run) if run.is_main else PopulationNode(run)
 
 
 class Population:
     """The coordinator: shares the data, starts one worker per agent, follows their reports, answers
-    PBT, stops them at the end (or on Ctrl+C / the duration) and ranks the final agents."""
+    PBT, stops them at the end (or on Ctrl+C / the duration) and ranks the final agents. Under
+    torchrun it follows the members of every rank: the others' reach it through ``self.remote``."""
 
     def __init__(self, run):
         self.run, cfg = run, run.cfg
-        self.items, self.cache, data = (run.env.extra.get(k) for k in ("item_indices", "cache", "data"))
-        self.data, self.data_specs = None, None
-        if data is not None:
-            shared, self.data_specs = market.share_market_data(data)  # the one copy every worker reads
-            run.defer(shared.unlink_all)
-            self.data = market.MarketData(*(shared[f"market_{k}"] for k in market.CACHE_ARRAYS), [], "shared memory")
-            run.env.extra.pop("data")
-            run.log.info("market cache %s: %d items x %d steps (%s), %s in %.2f s", self.cache["path"],
-                         data.num_items, data.num_steps, format_bytes(data.nbytes),
-                         "built" if self.cache["built"] else "loaded", self.cache["seconds"])
-        self.status = [WorkerStatus(hyper=h) for h in worker_hyperparams(cfg, cfg.num_workers, cfg.seed)]
+        self.items, self.cache = run.env.extra.get("item_indices"), run.env.extra.get("cache")
+        self.data, self.data_specs = share_market_data(run)
+        members = cfg.num_workers * run.dist.world_size
+        self.status = [WorkerStatus(rank=m // cfg.num_workers, hyper=h)
+                       for m, h in enumerate(worker_hyperparams(cfg, members, cfg.seed))]
         self.devices = assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+        self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         # The target is each worker's own (independent agents are judged one by one), never the population's.
         self.target, run.target_return = run.target_return, None
         self.pbt_events: list[dict] = (run.resumed or {}).get("pbt_events", [])
@@ -598,14 +674,19 @@ class Population:
         if run.resume_path is not None and checkpoint_run_dir(run.resume_path) != run.run_dir:
             self.sources.append(checkpoint_run_dir(run.resume_path) / "checkpoints")  # a population continued elsewhere
         self.next_status_log, self.reported = time.monotonic() + cfg.log_interval_s, run.counters["updates"]
-        self.supervisor = run.supervise(Supervisor(
-            population_worker, cfg.num_workers, self.args_for, name="worker", max_restarts=cfg.max_worker_restarts,
-            start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s,
-            on_give_up="worker", logger=run.log))
-        run.log.info("train_ppo_multiprocess: %d workers x %d envs of %s, devices %s, target %s, run dir %s",
-                     cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id, sorted(set(self.devices)),
-                     self.target, run.run_dir)
+        self.remote = None
+        if run.dist.world_size > 1:
+            self.remote = RemoteMembers(run, fingerprint(run, self.data), cfg.num_workers, FILE_PLACES, REPORTS,
+                                        run.run_dir)
+            run.defer(self.remote.close, {"reason": "rank 0 failed", "exit_code": 1})  # unless train() closed it
+        self.supervisor = member_workers(run, self.args_for)
+        run.log.info("train_ppo_multiprocess: %d workers x %d envs of %s%s, devices %s, target %s, run dir %s",
+                     cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id,
+                     f" on each of {run.dist.world_size} ranks ({members} in all)" if self.remote else "",
+                     sorted(set(self.devices)), self.target, run.run_dir)
         self.save()  # from the start, so that a resume always finds the population's counters
+        for rank in self.remote.ranks if self.remote else []:  # a rank starts its workers once it has these
+            self.remote.hand_over(rank, [p for m in self.remote.members_of(rank) if (p := self.newest_checkpoint(m))])
         self.supervisor.start()
 
     def newest_checkpoint(self, index: int) -> Path | None:
@@ -618,9 +699,8 @@ class Population:
     def args_for(self, index: int) -> tuple:
         """Called at the start and at every restart: a worker always continues from its newest checkpoint."""
         cfg, latest = self.run.cfg, self.newest_checkpoint(index)
-        threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
-        return (WorkerSetup(config_dict(cfg), self.run.env_kwargs, str(self.run.run_dir), self.data_specs, self.items,
-                            self.devices[index], threads, self.status[index].hyper, self.target,
+        return (WorkerSetup(index, config_dict(cfg), self.run.env_kwargs, str(self.run.run_dir), self.data_specs,
+                            self.items, self.devices[index], self.threads, self.status[index].hyper, self.target,
                             str(latest) if latest else None),)
 
     # -- the run
@@ -628,7 +708,7 @@ class Population:
         run = self.run
         while any(s.active for s in self.status) and run.stop_reason() is None:
             with run.budget.part("wait"):
-                messages = self.supervisor.poll(0.5)
+                messages = self.poll(0.5)
             for message in messages:
                 self.handle(message.index, message.kind, message.payload)
             if run.checkpoint_due():
@@ -639,8 +719,25 @@ class Population:
         self.stop_workers()
         self.save()
         self.rank()
-        if not run.graceful.requested:  # interrupted, the run exits 130 whatever happened before
-            self.raise_failures()
+        failure = None if run.graceful.requested else self.failure()  # interrupted, the run exits 130 regardless
+        if self.remote is not None:  # every rank ends as rank 0 does
+            self.remote.close({**stop_message(run), **({"reason": f"failed: {failure}", "exit_code": 1}
+                                                       if failure else {})})
+        if failure is not None:
+            raise failure
+
+    def poll(self, timeout: float) -> list:
+        """What the workers of every rank reported (the other ranks' through the relay)."""
+        if self.remote is None:
+            return self.supervisor.poll(timeout)
+        return self.supervisor.poll(min(timeout, POLL_S)) + self.remote.poll()
+
+    def tell(self, index: int, kind: str, payload: Any, files: dict[str, Path] | None = None) -> None:
+        """A command for one worker, on this node or (with the files it names) on another."""
+        if self.status[index].rank == 0:
+            self.supervisor.send(index, kind, payload)
+        else:
+            self.remote.send(index, kind, payload, files)
 
     def stop_workers(self) -> None:
         """Every worker finishes its rollout, saves and reports (a duration's end also evaluates), or is killed."""
@@ -650,8 +747,18 @@ class Population:
                               cfg.stop_timeout_s)
             # The time budget ends training as planned (final checkpoints, evaluation); a signal
             # only interrupts it (checkpoints to continue from).
-            self.supervisor.broadcast("stop", {"evaluate": not self.run.graceful.requested})
-        for message in self.supervisor.stop(cfg.stop_timeout_s):
+            order = {"evaluate": not self.run.graceful.requested}
+            self.supervisor.broadcast("stop", order)
+            if self.remote is not None:
+                self.remote.stop_members(order, cfg.stop_timeout_s)
+        deadline = time.monotonic() + cfg.stop_timeout_s
+        if self.remote is not None:  # the other ranks' final reports, while this node's workers stop too
+            self.supervisor.request_stop()
+            while (any(s.active and s.rank for s in self.status)
+                   and time.monotonic() < deadline + REMOTE_STOP_SLACK_S):
+                for message in self.poll(POLL_S):
+                    self.handle(message.index, message.kind, message.payload)
+        for message in self.supervisor.stop(max(0.0, deadline - time.monotonic())):
             self.handle(message.index, message.kind, message.payload)
         for status in self.status:
             if status.active and reason is not None:
@@ -661,7 +768,8 @@ class Population:
         status, log = self.status[index], self.run.log
         if kind == "ready":
             status.step, status.hyper = payload["step"], payload["hyper"]
-            log.info("worker %d running (pid %d) from step %d", index, payload["pid"], payload["step"])
+            log.info("worker %d running (pid %d) from step %d%s", index, payload["pid"], payload["step"],
+                     f" on rank {status.rank}" if status.rank else "")
         elif kind == "update":
             self.record(index, payload)
         elif kind == "pbt_ready":
@@ -677,12 +785,20 @@ class Population:
             log.error("worker %d diverged: %s; it is stopped, the others go on", index, payload["reason"])
         elif kind == "restarted":
             self.pbt_waiting.pop(index, None)  # the new process goes on from its checkpoint, not from the wait
+            status.restarts += 1
             status.failures.append(payload.splitlines()[-1])
             latest = self.newest_checkpoint(index)
             log.info("worker %d continues from %s", index, latest.name if latest else "scratch (no checkpoint yet)")
         elif kind == "given_up":
             status.gave_up = True
             status.failures.append(payload.splitlines()[-1])
+        elif kind == "lost":
+            self.pbt_waiting.pop(index, None)
+            status.lost = payload
+            status.failures.append(payload)
+            latest = self.newest_checkpoint(index)
+            log.error("worker %d lost with its node (%s); its newest checkpoint here: %s; the others go on", index,
+                      payload, latest.name if latest else "none")
         else:
             raise ValueError(f"worker {index} sent an unknown message {kind!r}")
         self.pbt_round()
@@ -710,8 +826,8 @@ class Population:
         self.reported = self.run.counters["updates"]
         budget = self.run.cfg.max_steps_per_worker
         for index, s in enumerate(self.status):
-            state = ("given up" if s.gave_up else "diverged" if s.diverged else "done" if s.result else
-                     f"{s.sps:.0f} steps/s")
+            state = ("given up" if s.gave_up else "diverged" if s.diverged else "lost" if s.lost else
+                     "done" if s.result else f"{s.sps:.0f} steps/s")
             self.run.log.info("  worker %d: step %d%s, recent return %.3f, %s", index, s.step,
                               f"/{budget}" if budget else "", s.recent_return, state)
 
@@ -726,7 +842,8 @@ class Population:
         for position, index in enumerate(workers):
             donor = pbt_donor(scores, position, cfg.pbt_fraction, self.pbt_rng)
             answer = None if donor is None else self.pbt_copy(index, workers[donor], waiting[index])
-            self.supervisor.send(index, "pbt", answer)
+            # A worker on another node gets the donor's checkpoint with the answer (the bytes rank 0 holds).
+            self.tell(index, "pbt", answer, {"path": Path(answer["path"])} if answer else None)
 
     def pbt_copy(self, index: int, donor: int, step: int) -> dict:
         status, strong = self.status[index], self.status[donor]
@@ -743,17 +860,23 @@ class Population:
     def state_dict(self) -> None:
         return None  # population.pt is written by train(), after the workers' final reports
 
-    def raise_failures(self) -> None:
-        """A worker given up or diverged fails the run (exit 1), once every other worker is done."""
+    def failure(self) -> Exception | None:
+        """What fails the run (exit 1) once every other worker is done: a worker diverged, given up, or
+        lost with its node."""
         diverged = [f"worker {i}: {s.diverged}" for i, s in enumerate(self.status) if s.diverged]
         if diverged:
             newest = [self.newest_checkpoint(i) for i, s in enumerate(self.status) if s.diverged]
             self.run.last_good_checkpoint = next((p for p in newest if p is not None), None)
-            raise TrainingDiverged("; ".join(diverged))
+            return TrainingDiverged("; ".join(diverged))
         given_up = [i for i, s in enumerate(self.status) if s.gave_up]
         if given_up:
-            raise WorkerFailed(f"worker(s) {given_up} died more than --max-worker-restarts "
-                               f"{self.run.cfg.max_worker_restarts} times; the others finished")
+            return WorkerFailed(f"worker(s) {given_up} died more than --max-worker-restarts "
+                                f"{self.run.cfg.max_worker_restarts} times; the others finished")
+        lost = [i for i, s in enumerate(self.status) if s.lost]
+        if lost:
+            return WorkerFailed(f"worker(s) {lost} lost with their node; the others finished; --resume auto "
+                                "continues them from their newest checkpoints")
+        return None
 
     # -- the results
     def rank(self) -> None:
@@ -764,8 +887,7 @@ class Population:
             result = s.result or {}
             if result.get("eval"):
                 rows.append({"worker": index, "steps": s.step, "train_recent_return": s.recent_return,
-                             "restarts": self.supervisor.workers[index].restarts,
-                             "pbt_exploits": result["pbt_exploits"], **result["hyper"],
+                             "restarts": s.restarts, "pbt_exploits": result["pbt_exploits"], **result["hyper"],
                              "checkpoint": result["checkpoint"], **{f"eval_{k}": v for k, v in result["eval"].items()}})
         if not rows:
             return
@@ -787,18 +909,84 @@ class Population:
                      f", random policy {self.baseline['mean_return']:.3f}" if self.baseline else "")
 
     def summary(self) -> dict[str, Any]:
-        workers = [{"step": s.step, "recent_return": s.recent_return, "sps": s.sps, "hyper": s.hyper,
+        workers = [{"rank": s.rank, "step": s.step, "recent_return": s.recent_return, "sps": s.sps, "hyper": s.hyper,
                     "finished": bool(s.result and s.result["finished"]), "gave_up": s.gave_up,
-                    "diverged": s.diverged, "failures": s.failures, "restarts": w.restarts}
-                   for s, w in zip(self.status, self.supervisor.workers.values())]
+                    "diverged": s.diverged, "lost": s.lost, "failures": s.failures, "restarts": s.restarts}
+                   for s in self.status]
         return {"target_return": self.target, "target_per_worker": True, "cache": self.cache,
                 "item_indices": self.items, "training_sps": round(sum(s.sps for s in self.status), 1),
+                "population_size": len(self.status), "worker_restarts": sum(s.restarts for s in self.status),
                 "workers": workers, "leaderboard": self.leaderboard, "random_baseline": self.baseline,
                 "pbt_events": self.pbt_events,
-                "best_worker": self.leaderboard[0]["worker"] if self.leaderboard else None}
+                "best_worker": self.leaderboard[0]["worker"] if self.leaderboard else None,
+                **(self.remote.summary() if self.remote else {})}
 
     def plot(self, run) -> None:
         plot_population(read_metrics(run.run_dir / "metrics.csv"), run.run_dir / "plots" / "population.png")
+
+
+class PopulationNode:
+    """A rank other than 0 under torchrun: this node's members, coordinated by rank 0.
+
+    It shares the market data into this node's memory and runs one worker per member as the
+    coordinator does, but decides nothing: every report goes to rank 0 with the checkpoints it
+    names (common.population_relay), and rank 0's answers (PBT, the stop) go to the workers. Their
+    files live in a scratch directory of this node, removed at the end: rank 0 holds copies.
+    """
+
+    def __init__(self, run):
+        self.run, cfg = run, run.cfg
+        self.items = run.env.extra.get("item_indices")
+        self.data, self.data_specs = share_market_data(run)
+        self.first = run.dist.rank * cfg.num_workers
+        self.hyper = worker_hyperparams(cfg, cfg.num_workers * run.dist.world_size, cfg.seed)
+        self.devices = assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+        self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
+        self.target, run.target_return = run.target_return, None
+        run.counters.update(global_step=0, episodes=0, updates=0)  # this node's own, for its last log lines
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"prl-population-rank{run.dist.rank}-"))
+        run.defer(shutil.rmtree, self.scratch, True)
+        for sub in ("checkpoints", "logs"):
+            (self.scratch / sub).mkdir()
+        self.relay = MemberForwarder(run, fingerprint(run, self.data), cfg.num_workers, FILE_PLACES, COMMANDS,
+                                     self.scratch)
+        run.log.info("workers %d to %d of the population run here (local worker i is worker %d + i); their files "
+                     "go to rank 0 as they report them, from %s", self.first, self.first + cfg.num_workers - 1,
+                     self.first, self.scratch)
+        self.supervisor = None
+        if self.relay.receive_start():  # on resume, it brings our members' newest checkpoints
+            self.supervisor = member_workers(run, self.args_for, name="local worker")
+            self.supervisor.start()
+
+    def args_for(self, index: int) -> tuple:
+        cfg, member = self.run.cfg, self.first + index
+        latest = checkpoints.latest_checkpoint(self.scratch / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
+        return (WorkerSetup(member, config_dict(cfg), self.run.env_kwargs, str(self.scratch), self.data_specs,
+                            self.items, self.devices[index], self.threads, self.hyper[member], self.target,
+                            str(latest) if latest else None),)
+
+    def train(self) -> None:
+        if self.supervisor is not None:
+            self.relay.serve(self.supervisor, self.files_of, self.count)
+
+    def files_of(self, member: int, kind: str, payload: Any) -> dict[str, Path]:
+        """What rank 0 must hold with this report: the checkpoint it names and, once the worker is
+        through (done, diverged, given up), its log."""
+        files = {key: Path(payload[key]) for key in ("checkpoint", "path")
+                 if isinstance(payload, dict) and payload.get(key)}
+        if kind in ("done", "diverged", "given_up"):
+            files["log"] = self.scratch / "logs" / f"worker_{member}.log"
+        return files
+
+    def count(self, member: int, kind: str, payload: Any) -> None:
+        if kind == "update":
+            self.run.budget.mark_first_step(payload["started"])
+            self.run.counters["global_step"] += payload["steps"]
+            self.run.counters["updates"] += 1
+            self.run.record_episodes(payload["episodes"])
+
+    def state_dict(self) -> None:
+        return None  # rank 0 saves the population
 
 
 def pbt_donor(scores: list[float | None], index: int, fraction: float, rng: np.random.Generator) -> int | None:
@@ -895,11 +1083,12 @@ def probe(cfg) -> EnvInfo:
                    extra={"data": data, "item_indices": items, "cache": info})
 
 
-MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, Population, description=__doc__.split("\n\n")[0],
+MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__doc__.split("\n\n")[0],
             probe=probe, env_kwargs=market_kwargs, checkpoint_pattern=r"population\.pt", resume_requires=("counters",),
             metrics_columns=["worker", "worker_step", "worker_sps", "worker_cpu_sps", "learning_rate",
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
-                             "update_ms", "workers_running"])
+                             "update_ms", "workers_running"],
+            distributed=True)  # under torchrun every rank runs members; rank 0 coordinates them and writes
 
 
 def main(argv: list[str] | None = None) -> int:

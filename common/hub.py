@@ -22,7 +22,8 @@ The hub serves its spokes from one thread, one message at a time in turn: each s
 itself by waiting for the reply, and a hub whose inbox is full stops answering for a moment
 (back-pressure), so a slow learner slows the actors instead of piling up memory. The learner's
 thread only touches the hub through :meth:`Hub.publish` (what the replies carry: control values,
-parameters with a version) and :meth:`Hub.drain` (what arrived).
+parameters with a version), :meth:`Hub.send_to` (a message for one rank alone, riding on its next
+reply) and :meth:`Hub.drain` (what arrived).
 
 Trust: like every torch.distributed job, the rendezvous endpoint and the ranks' ports must be
 reachable only from the job's own nodes.
@@ -36,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +210,8 @@ class PeerStats:
     params_version: int = -1  # the newest parameters this rank was sent
     arrays_version: int = -1  # the newest published arrays (see Hub.publish) this rank was sent
     stopped: bool = False  # it got the final reply
+    sent_bytes: int = 0  # what the replies carried to this rank
+    outbox: deque = field(default_factory=deque)  # (info, arrays) for this rank alone (Hub.send_to)
 
 
 class Hub:
@@ -266,6 +270,16 @@ class Hub:
                     raise ValueError("'params' is published as params=, not among arrays=")
                 self._arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
                 self._arrays_version += 1
+
+    def send_to(self, rank: int, info: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """A message for ``rank`` alone (files, a command for one of its workers): it rides on that
+        rank's next reply, one message per reply, in the order sent (:attr:`Reply.message`)."""
+        with self._lock:
+            self.peers[rank].outbox.append((dict(info), dict(arrays or {})))
+
+    def refuse(self, rank: int, reason: str) -> None:
+        """Stop talking to ``rank``: its message passed the schema but not the trainer's own checks."""
+        self._lose(rank, f"sent data that does not fit: {reason}")
 
     def drain(self, timeout: float = 0.0) -> list[Message]:
         """Every message that arrived (waiting up to ``timeout`` for the first)."""
@@ -333,11 +347,17 @@ class Hub:
             extra = self._arrays if self._arrays_version > peer.arrays_version else None
             if extra is not None:
                 reply["arrays_version"] = self._arrays_version
+            letter = peer.outbox.popleft() if peer.outbox else None
+        arrays = dict(extra or {})
+        if letter is not None:  # its arrays get a prefix of their own: no name of the published ones clashes
+            reply["message"] = {"info": letter[0], "arrays": list(letter[1]), "more": len(peer.outbox)}
+            arrays.update({f"message.{name}": array for name, array in letter[1].items()})
+        if params is not None:
+            arrays["params"] = params
         if final is not None:
             reply["stop"] = final
         try:
-            _send(self.dist.dist, self.group, peer.rank, reply,
-                  {**(extra or {}), **({} if params is None else {"params": params})})
+            peer.sent_bytes += _send(self.dist.dist, self.group, peer.rank, reply, arrays)
         except Exception as err:
             self._lose(peer.rank, _first_line(err))
             return
@@ -371,7 +391,8 @@ class Hub:
     def summary(self) -> dict:
         """Per-rank traffic and losses, for summary.json."""
         return {"ranks_lost": len(self.lost_events), "lost_ranks": list(self.lost_events),
-                "rank_traffic": {str(r): {"messages": p.messages, "rows": p.rows, "mib": round(p.bytes / 2**20, 3)}
+                "rank_traffic": {str(r): {"messages": p.messages, "rows": p.rows, "mib": round(p.bytes / 2**20, 3),
+                                          "sent_mib": round(p.sent_bytes / 2**20, 3)}
                                  for r, p in self.peers.items()}}
 
 
@@ -385,6 +406,9 @@ class Reply:
     stop: dict | None  # rank 0 has stopped the run: {"reason", "exit_code"}
     arrays: dict[str, np.ndarray] | None = None  # the arrays rank 0 published, when newer than the last ones
     arrays_version: int = -1  # their version (-1: this reply carries none)
+    message: dict | None = None  # what rank 0 sent this rank alone (Hub.send_to) ...
+    message_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # ... with its arrays
+    more: int = 0  # further messages for this rank alone wait at rank 0: exchange again soon
 
 
 class Spoke:
@@ -415,8 +439,11 @@ class Spoke:
         if "refused" in reply:
             raise PeerRefused(f"rank {self.dist.rank} refused by rank 0: it {reply['refused']}")
         arrays_version = int(reply.get("arrays_version", -1))
+        letter = reply.get("message") or {"info": None, "arrays": [], "more": 0}
+        mine = {name: got.pop(f"message.{name}") for name in letter["arrays"]}
         return Reply(reply.get("control", {}), got.pop("params", None), int(reply.get("version", -1)),
-                     reply.get("stop"), got if arrays_version >= 0 else None, arrays_version)
+                     reply.get("stop"), got if arrays_version >= 0 else None, arrays_version, letter["info"], mine,
+                     int(letter["more"]))
 
 
 def rows_of(arrays: Iterable[np.ndarray]) -> int:
