@@ -9,7 +9,10 @@
 The env and the policy are rebuilt from what the run saved (the checkpoint's ``env`` and
 ``policy`` entries), so no other flag is needed. Episodes are played greedily on seeds the
 training never used. Besides the return, a built-in env reports its own score (ConnectFour win
-rates against the random and the heuristic player, GridCoverage coverage, Market profit). The report
+rates against the random and the heuristic player, GridCoverage coverage, Market profit). A two-player
+built-in whose module names ``EVALUATION_OPPONENTS`` (ConnectFour: random, heuristic and the search
+players search1-4, which no training mix may contain) is also played ``--episodes`` games against each,
+from each seat, and reports win, draw and loss rates per seat and for both together. The report
 names the checkpoint it played, the script and step that wrote it and, for an agent of a population,
 its member number. Exit status: 0, or 2 with one line for a path that holds no usable checkpoint, an
 env that cannot be recorded (no rgb_array mode) or shown, or flags that exclude each other.
@@ -35,6 +38,8 @@ import numpy as np
 EXIT_USAGE = 2
 EVAL_SEED = 1_000_000  # far from every training seed (environment i of a run is seeded seed + i)
 MAX_ENVS = 8  # episodes are played this many at a time
+MATCH_ENVS = 100  # games against a fixed opponent are played this many at a time (search players batch them)
+SEATS = (("first", True), ("second", False))
 
 
 class EvaluationError(ValueError):
@@ -95,8 +100,9 @@ def load(path: Path, device: str = "cpu") -> tuple[Any, dict, dict]:
 
 
 def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render: str | None = None,
-         video_dir: str | None = None) -> tuple[list[dict], np.ndarray]:
-    """``episodes`` greedy episodes; returns them and a batch of the observations seen (for export checks)."""
+         video_dir: str | None = None, max_envs: int = MAX_ENVS) -> tuple[list[dict], np.ndarray]:
+    """``episodes`` greedy episodes, ``max_envs`` at a time; returns them and a batch of the
+    observations seen (for export checks)."""
     from common.envs import make_vec_env, play_episodes
 
     seen: list[np.ndarray] = []
@@ -113,7 +119,7 @@ def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render
         vec = make_vec_env(env_id, 1, seed, vectorize=False, wrap=lambda env: _wrap(env, env_id, mode, video_dir),
                            **{**env_kwargs, "render_mode": mode})
     else:
-        vec = make_vec_env(env_id, min(episodes, MAX_ENVS), seed, **env_kwargs)
+        vec = make_vec_env(env_id, min(episodes, max_envs), seed, **env_kwargs)
     try:
         played, _ = play_episodes(vec, act, episodes)
     finally:
@@ -158,7 +164,37 @@ def report(episodes: list[dict], env_id: str, env_kwargs: dict, policy, seed: in
     for name, (kwargs, score) in builtin_scores(env_id).items():
         scored = episodes if not kwargs else play(policy, env_id, {**env_kwargs, **kwargs}, len(episodes), seed)[0]
         out[name] = score(scored)
+    opponents = evaluation_opponents(env_id)
+    if opponents:
+        out["opponents"] = {name: match(policy, env_id, env_kwargs, name, len(episodes), seed) for name in opponents}
     return out
+
+
+def evaluation_opponents(env_id: str) -> tuple[str, ...]:
+    """The fixed players a two-player built-in is scored against: its module's ``EVALUATION_OPPONENTS``."""
+    import importlib
+
+    import gymnasium as gym
+
+    import common.envs  # noqa: F401  (registers the built-ins)
+
+    entry = gym.spec(env_id).entry_point
+    if not isinstance(entry, str):
+        return ()
+    return tuple(getattr(importlib.import_module(entry.split(":")[0]), "EVALUATION_OPPONENTS", ()))
+
+
+def match(policy, env_id: str, env_kwargs: dict, opponent: str, games: int, seed: int) -> dict:
+    """``games`` greedy games against ``opponent`` from each seat: ``{"first"|"second"|"both":
+    {"win", "draw", "loss"}}`` rates."""
+    results = {}
+    for seat, learner_first in SEATS:
+        kwargs = {**env_kwargs, "opponent": opponent, "learner_first": learner_first}
+        played = play(policy, env_id, kwargs, games, seed, max_envs=MATCH_ENVS)[0]
+        results[seat] = np.array([e["result"] for e in played], dtype=np.float64)
+    results["both"] = np.concatenate([results["first"], results["second"]])
+    return {seat: {"win": float(np.mean(r == 1)), "draw": float(np.mean(r == 0)), "loss": float(np.mean(r == -1))}
+            for seat, r in results.items()}
 
 
 def export_onnx(policy, observations: np.ndarray, path: str | Path, tolerance: float = 1e-5) -> dict:
@@ -243,11 +279,16 @@ def _text(result: dict) -> str:
              f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
              f"mean length {result['mean_length']:.1f}"]
     skip = {"checkpoint", "member", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos",
-            "export"}
+            "export", "opponents"}
     for key, value in result.items():
         if key not in skip:
             shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value
             lines.append(f"  {re.sub('_', ' ', key)}: {shown}")
+    if "opponents" in result:
+        lines.append(f"  win / draw / loss, {result['episodes']} games from each seat:")
+        for name, seats in result["opponents"].items():
+            lines.append(f"  vs {name:<10}" + "  ".join(
+                f"{seat} {r['win']:4.0%} / {r['draw']:4.0%} / {r['loss']:4.0%}" for seat, r in seats.items()))
     if "videos" in result:
         lines.append(f"  videos: {len(result['videos'])} file(s) in {Path(result['videos'][0]).parent}"
                      if result["videos"] else "  videos: none written")

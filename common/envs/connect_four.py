@@ -17,6 +17,11 @@ game ends.
 
 Render modes of the single env: ``"ansi"`` (X learner, O opponent) and ``"rgb_array"`` (a blue
 board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
+
+Fixed players by name (:func:`make_player`): ``random``, ``heuristic``, and the search players
+``search1`` .. ``search4`` (:class:`SearchPlayer`), which are held out of every training mix
+(:data:`HELD_OUT_PLAYERS`, :func:`check_training_opponents`) so that evaluation against them
+(:data:`EVALUATION_OPPONENTS`) measures play the policy never trained against.
 """
 
 from __future__ import annotations
@@ -153,11 +158,192 @@ def sample_weighted(rng: np.random.Generator, weights: np.ndarray) -> np.ndarray
     return (cumulative > draws[:, None]).argmax(axis=1)
 
 
+# ------------------------------------------------------------------ search players (held out of training)
+
+def _windows() -> np.ndarray:
+    """``(42, 69)`` 0/1: which cells (row * 7 + column) make up each window of four in a line."""
+    lines = []
+    for row in range(ROWS):
+        for col in range(COLS):
+            for d_row, d_col in ((0, 1), (1, 0), (1, 1), (-1, 1)):
+                cells = [(row + k * d_row, col + k * d_col) for k in range(4)]
+                if all(0 <= r < ROWS and 0 <= c < COLS for r, c in cells):
+                    lines.append([r * COLS + c for r, c in cells])
+    out = np.zeros((ROWS * COLS, len(lines)), dtype=np.float32)
+    for w, cells in enumerate(lines):
+        out[cells, w] = 1.0
+    return out
+
+
+WINDOWS = _windows()
+# Leaf score of one window by (discs of the side scored, discs of the other side): an open
+# three is worth more than two open twos; a window holding both colours is dead.
+WINDOW_SCORES = np.zeros((5, 5), dtype=np.float32)
+WINDOW_SCORES[2, 0], WINDOW_SCORES[3, 0] = 2.0, 5.0
+WINDOW_SCORES[0, 2], WINDOW_SCORES[0, 3] = -2.0, -5.0
+CENTRE_SCORES = np.tile(np.array([0, 1, 2, 3, 2, 1, 0], dtype=np.float32), ROWS)  # per disc, by its cell
+WIN_SCORE = 1_000_000.0  # above any heuristic score (at most 69 * 5 + 3 * 21 in absolute value)
+# Added to a window's gain when one more disc completes four: far above the rest of a cell's gain
+# (at most 5 for each of the at most 13 windows through a cell), so a gain above THREAT / 2 is a win.
+THREAT = 1024.0
+SEARCH_CHUNK = 64  # root boards searched together: bounds memory at depth 4 (64 * 7**3 boards at the last ply)
+
+
+def _window_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Lookups by window code ``5 * mine + theirs``: the window's score, and what one more disc
+    of mine adds to it, plus ``THREAT`` when that disc completes four (a live window of three)."""
+    score, added = np.zeros(25, dtype=np.float32), np.zeros(25, dtype=np.float32)
+    for mine in range(5):
+        for theirs in range(5 - mine):
+            code = 5 * mine + theirs
+            score[code] = WINDOW_SCORES[mine, theirs]
+            if mine < 4:
+                added[code] = WINDOW_SCORES[mine + 1, theirs] - score[code]
+    added[5 * 3] += THREAT
+    return score, added
+
+
+WINDOW_SCORE_BY_CODE, WINDOW_GAIN_BY_CODE = _window_tables()
+CELL_CODES = np.array([1, 0, 5], dtype=np.float32)  # by cell + 1: theirs, empty, mine
+CELL_WINDOWS = np.ascontiguousarray(WINDOWS.T)  # (69, 42)
+CENTRE_BY_CELL = CENTRE_SCORES.astype(np.int16)
+MATMUL_BLOCK = 64  # 64 x 42 x 69 multiply-adds: below OpenBLAS's threshold for using threads
+
+
+def _blocked_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` as a stack of products of ``MATMUL_BLOCK`` rows, each small enough that OpenBLAS
+    runs it on one thread: on busy cores (rollout workers) its threads cost more than they give
+    (a depth-4 search took 2-4 times as long with them)."""
+    n = len(a)
+    pad = -n % MATMUL_BLOCK
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)])
+    return (a.reshape(-1, MATMUL_BLOCK, a.shape[1]) @ b).reshape(-1, b.shape[1])[:n]
+
+
+def _one_ply(boards: np.ndarray, heights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each column of ``(n, 6, 7)`` live boards (+1 = the side to move): whether dropping
+    a disc there wins, and the leaf score of the board it makes for that side; ``(n, 7)`` each.
+
+    Computed from the parent board without building the children: a disc changes only the
+    windows through its cell, so the gain of every cell comes out of one matrix product.
+    """
+    n = len(boards)
+    flat = boards.reshape(n, ROWS * COLS)
+    codes = _blocked_matmul(CELL_CODES[flat + 1], WINDOWS).astype(np.int32)  # (n, 69): 5 * mine + theirs
+    score = WINDOW_SCORE_BY_CODE[codes].sum(axis=1) + np.einsum("ij,j->i", flat, CENTRE_BY_CELL)
+    gain = _blocked_matmul(WINDOW_GAIN_BY_CODE[codes], CELL_WINDOWS)  # (n, 42): what a disc at each cell adds
+    cells = np.minimum(heights, ROWS - 1) * COLS + np.arange(COLS)  # the cell each column's disc lands on
+    gain = np.take_along_axis(gain, cells, axis=1)
+    won = gain > THREAT / 2
+    return won, score[:, None] + gain + CENTRE_SCORES[cells]
+
+
+def move_values(boards: np.ndarray, heights: np.ndarray, depth: int, root: bool = True) -> np.ndarray:
+    """``(n, 7)`` depth-``depth`` negamax value of each column for the side to move (+1 on
+    live ``boards``); ``-inf`` for a full column.
+
+    Full width and vectorized: every legal move of every board is expanded at once, one
+    numpy batch per ply, and only games that go on are expanded further. A win scores
+    ``WIN_SCORE + plies left`` (so a quicker win is worth more, a later loss costs less), a
+    full board 0, and a leaf the window score of the side that just moved (:func:`_one_ply`).
+    Below the ``root``, a board with a winning move is not searched further: nothing can beat
+    that move, so only the row's maximum (all the parent reads) is exact there.
+    """
+    won, score = _one_ply(boards, heights)
+    legal = heights < ROWS
+    fills = (heights.sum(axis=1) == ROWS * COLS - 1)[:, None]  # the move fills the board: a draw
+    values = np.where(won, WIN_SCORE + depth, np.where(fills, 0.0, score if depth == 1 else np.nan))
+    values[~legal] = -np.inf
+    if depth > 1:
+        search = np.isnan(values) if root else np.isnan(values) & ~(won & legal).any(axis=1, keepdims=True)
+        values[np.isnan(values)] = -np.inf
+        parent, col = np.nonzero(search)
+        if parent.size:  # the reply, seen from the other side: negamax
+            children, child_heights = -boards[parent], heights[parent]  # copies (fancy indexing)
+            k = np.arange(parent.size)
+            children[k, child_heights[k, col], col] = -1
+            child_heights[k, col] += 1
+            values[parent, col] = -move_values(children, child_heights, depth - 1, root=False).max(axis=1)
+    return values
+
+
+class SearchPlayer:
+    """Depth-limited negamax with a window heuristic at the leaves; ties broken at random.
+
+    Exactly what negamax with alpha-beta pruning at ``depth`` plies chooses: pruning skips
+    moves that cannot change the root's values, and this search is its vectorized
+    full-width form (:func:`move_values`), which numpy evaluates far faster than a pruned
+    search in pure Python (tests/test_connect_four_search.py checks that the two agree).
+    Among equally valued columns one is drawn uniformly with ``seed``'s generator. These
+    players are for evaluation only (see :data:`HELD_OUT_PLAYERS`).
+    """
+
+    def __init__(self, depth: int, seed: int | None = None):
+        if depth < 1:
+            raise ValueError(f"search depth must be >= 1, got {depth}")
+        self.depth = depth
+        self.rng = np.random.default_rng(seed)
+
+    def values(self, obs: np.ndarray, action_mask: np.ndarray | None = None) -> np.ndarray:
+        """``(n, 7)`` negamax value of each column (``-inf`` where the mask or the board forbids it)."""
+        boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)  # +1 = the side to move
+        heights = (boards != 0).sum(axis=1)
+        out = np.concatenate([move_values(boards[i:i + SEARCH_CHUNK], heights[i:i + SEARCH_CHUNK], self.depth)
+                              for i in range(0, len(boards), SEARCH_CHUNK)]) if len(boards) else np.zeros((0, COLS))
+        if action_mask is not None:
+            out[~np.asarray(action_mask, dtype=bool)] = -np.inf
+        return out
+
+    def act(self, obs: np.ndarray, action_mask: np.ndarray, env_ids: np.ndarray | None = None) -> np.ndarray:
+        values = self.values(np.asarray(obs), action_mask)
+        best = values == values.max(axis=1, keepdims=True)  # the scores are whole numbers: ties are exact
+        return sample_legal(self.rng, best)
+
+
+SEARCH_DEPTHS = (1, 2, 3, 4)
+# Players no training mix may contain: evaluation against them measures what a policy learned
+# beyond its own opponents. A script checks its mix with check_training_opponents().
+HELD_OUT_PLAYERS = tuple(f"search{depth}" for depth in SEARCH_DEPTHS)
+# The opponents evaluation scores a policy against, from both seats.
+EVALUATION_OPPONENTS = ("random", "heuristic", *HELD_OUT_PLAYERS)
+
+
+def check_training_opponents(names) -> None:
+    """Raise ValueError when a training opponent mix (names, or a dict of name -> share) names a
+    held-out player, whatever its share."""
+    held_out = [name for name in names if name in HELD_OUT_PLAYERS]
+    if held_out:
+        raise ValueError(f"training opponents {held_out} are held out for evaluation: "
+                         f"{', '.join(HELD_OUT_PLAYERS)} may never be in a training mix")
+
+
 def make_player(name: str, seed: int | None = None) -> Player:
-    players = {"random": RandomPlayer, "heuristic": HeuristicPlayer}
+    """A fixed player by name: ``random``, ``heuristic``, or ``search1`` .. ``search4``."""
+    players = {"random": RandomPlayer, "heuristic": HeuristicPlayer,
+               **{f"search{d}": (lambda s, d=d: SearchPlayer(d, s)) for d in SEARCH_DEPTHS}}
     if name not in players:
         raise ValueError(f"unknown player {name!r}; known: {', '.join(players)}")
     return players[name](seed)
+
+
+def play_match(first: Player, second: Player, games: int) -> np.ndarray:
+    """``games`` games of ``first`` (moving first) against ``second``, all in one batch: the
+    result of each from ``first``'s side (1 win, 0 draw, -1 loss)."""
+    boards = np.zeros((games, ROWS, COLS), dtype=np.int8)
+    heights = np.zeros((games, COLS), dtype=np.int64)
+    result = np.zeros(games, dtype=np.int64)
+    live = np.arange(games)
+    for turn in range(ROWS * COLS):
+        if live.size == 0:
+            break
+        player, piece = (first, LEARNER) if turn % 2 == 0 else (second, OPPONENT)
+        actions = player.act(observe(boards[live], piece), legal_mask(heights[live]), live)
+        drop(boards, heights, live, np.asarray(actions, dtype=np.int64), piece)
+        won = wins(boards[live], piece)
+        result[live[won]] = piece
+        live = live[~won & (heights[live] < ROWS).any(axis=1)]
+    return result
 
 
 def _as_player(opponent: Player | str | None, seed: int | None) -> Player:
