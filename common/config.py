@@ -128,6 +128,29 @@ def _aliases(cls: type) -> dict[str, str]:
     return dict(getattr(cls, "ALIASES", {}))
 
 
+def aliased(cls: type) -> type:
+    """Make a config dataclass's ``ALIASES`` work from Python too: ``Config(n_workers=8)`` sets
+    ``num_workers``, and ``cfg.n_workers`` reads and writes it (flags and YAML keys take them already).
+    Apply above ``@dataclass``."""
+    aliases = _aliases(cls)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for alias, target in aliases.items():
+            if alias in kwargs:
+                if target in kwargs:
+                    raise TypeError(f"{alias} and {target} are the same setting; give one")
+                kwargs[target] = kwargs.pop(alias)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    for alias, target in aliases.items():
+        setattr(cls, alias, property(lambda self, t=target: getattr(self, t),
+                                     lambda self, value, t=target: setattr(self, t, value), doc=f"same as {target}"))
+    return cls
+
+
 def _groups(spec: type | dict[str, type]) -> dict[str, type]:
     return spec if isinstance(spec, dict) else {"": spec}
 

@@ -73,3 +73,23 @@ def test_train_from_python_twice_interrupted_and_clean(tmp_path):
     assert (tmp_path / "d" / "checkpoints" / "latest.pt").exists() and interrupted["global_step"] > 0
     for state in (out["after_first"], out["after_all"]):
         assert state == {"children": 0, "segments": [], "threads": 1, "sigint_default": True, "log_handlers": 0}, state
+
+
+def test_aliases_read_and_write_the_same_field():
+    import dataclasses
+
+    from common.config import aliased, to_dict
+
+    @aliased
+    @dataclasses.dataclass
+    class Settings:
+        num_workers: int = 2
+        total_episodes: int | None = None
+        ALIASES = {"n_workers": "num_workers", "n_episodes": "total_episodes"}
+
+    settings = Settings(n_workers=5, n_episodes=10)
+    assert (settings.num_workers, settings.n_workers, settings.total_episodes) == (5, 5, 10)
+    settings.n_workers = 7
+    assert settings.num_workers == 7 and to_dict(settings) == {"num_workers": 7, "total_episodes": 10}
+    with pytest.raises(TypeError, match="same setting"):
+        Settings(n_workers=1, num_workers=2)
