@@ -100,6 +100,7 @@ class Config(RunConfig):
     mixed_precision: str = "auto"  # auto (fp16 + GradScaler on CUDA, off on CPU), bf16, fp16 (CUDA), off
     weight_poll_steps: int = 1  # actors check for new weights every this many vector steps
     replay_backend: str = "auto"  # auto (shared memory, else messages to the learner), shm, queue (messages)
+    ship_interval_s: float = 0.05  # under torchrun: seconds between an actor rank's batches to rank 0 (and new weights)
     save_replay: bool = False  # also save the replay buffer with each checkpoint (large)
     device: str = "auto"  # learner device: auto, cpu, cuda, cuda:N
     save_every_episodes: int = 5_000  # write checkpoints/ultra_model_ep<N>.pt every this many episodes (and by time)
@@ -134,7 +135,8 @@ class Config(RunConfig):
         super().validate()
         require_positive(self, "sync_steps", "grad_accum_steps", "buffer_size", "replay_ratio", "n_step",
                          "target_update_interval", "tau", "max_grad_norm", "weight_poll_steps", "save_every_episodes",
-                         "keep_checkpoints", "metrics_interval_s", "epsilon_decay_steps", "rate_limit_slack")
+                         "keep_checkpoints", "metrics_interval_s", "epsilon_decay_steps", "rate_limit_slack",
+                         "ship_interval_s")
         require(self.grid_size is None or self.grid_size >= 2, "grid_size", self.grid_size, "must be >= 2")
         require(self.grid_size is None or self.env_id == "GridCoverage-v0", "grid_size", self.grid_size,
                 "applies to GridCoverage-v0 only")
@@ -622,8 +624,8 @@ class UltraTrainer:
 
     def share_with_ranks(self, force: bool = False) -> None:
         """What the next replies to the actor ranks carry: the start flag, the rate limit, every rank's steps
-        and, when the learner has published newer ones, the weights (at most every SHIP_INTERVAL_S)."""
-        if self.hub is None or not force and time.monotonic() - self.published[0] < SHIP_INTERVAL_S:
+        and, when the learner has published newer ones, the weights (at most every ship_interval_s)."""
+        if self.hub is None or not force and time.monotonic() - self.published[0] < self.cfg.ship_interval_s:
             return
         control = {"go": bool(self.shared["control"][GO]), "allowed": self.allowed, "rank_steps": self.rank_steps()}
         changed = self.params.version(0) != self.published[1]
@@ -723,10 +725,9 @@ class UltraTrainer:
 # --------------------------------------------------------------------------- past one machine
 # Under torchrun every rank but 0 runs actors only. Their transitions reach the rank's main process
 # on their pipes (the message-fed replay path, with no replay on this rank); it ships them to rank 0
-# in one message every SHIP_INTERVAL_S, and rank 0 writes them into the partitions of that rank's
+# in one message every ship_interval_s, and rank 0 writes them into the partitions of that rank's
 # actors. Rank 0's replies carry the weights, the start flag and the rate limit back.
 
-SHIP_INTERVAL_S = 0.05  # an actor rank sends (and gets new weights) this often: 20 messages/s, 50 ms of lag at most
 # Settings that shape the transitions, the network or the actors: equal on every rank, or a rank is refused.
 FINGERPRINT_FIELDS = ("n_step", "gamma", "prioritized", "hidden_sizes", "num_workers", "num_envs_per_worker",
                       "async_training", "epsilon_start", "epsilon_end", "epsilon_decay_steps", "epsilon_alpha")
@@ -832,14 +833,14 @@ class ActorRank:
         first = self.rank * cfg.num_workers
         run.log.info("actor rank %d: actors %d-%d of %d (x %d envs), shipping transitions to rank 0 every %.0f ms",
                      self.rank, first, first + cfg.num_workers - 1, cfg.num_actors, cfg.num_envs_per_worker,
-                     SHIP_INTERVAL_S * 1000)
+                     cfg.ship_interval_s * 1000)
 
     def train(self) -> None:
         while self.stop is None:
-            wait = SHIP_INTERVAL_S - (time.monotonic() - self.shipped_at)
+            wait = self.cfg.ship_interval_s - (time.monotonic() - self.shipped_at)
             for message in self.supervisor.poll(max(0.0, wait)):
                 self.handle(message)
-            if time.monotonic() - self.shipped_at >= SHIP_INTERVAL_S:
+            if time.monotonic() - self.shipped_at >= self.cfg.ship_interval_s:
                 self.ship()
         if self.stop.get("exit_code") == EXIT_FAILED:
             raise PeerFailure(f"rank {self.rank}: {self.stop.get('reason', 'rank 0 failed')}")
@@ -952,7 +953,7 @@ MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__
             metrics_columns=["coverage", "coverage_mean100", "loss", "epsilon_max", "epsilon_min", "buffer_size",
                              "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s", "episodes_per_s",
                              "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
-            distributed=True)
+            distributed=True, cpu_collectives=True)
 
 
 def main(argv: list[str] | None = None) -> int:

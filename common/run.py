@@ -584,6 +584,9 @@ class Mode:
     check: Callable[[Any, EnvInfo], None] | None = None  # the mode's own checks (RAM, /dev/shm ...): ConfigError
     probe: Callable[[Any], EnvInfo] | None = None  # replaces probe_env (e.g. to load a data cache once)
     distributed: bool = False  # under torchrun, every rank runs the trainer (DD-PPO); rank 0 writes
+    # The ranks exchange CPU data only (common.hub's messages, the handshake): gloo between them, also where
+    # the learner is on a GPU and the actor nodes have none (NCCL would need a GPU on every rank).
+    cpu_collectives: bool = False
 
 
 def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
@@ -718,7 +721,7 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
     log to stderr, tagged with their rank, and write no file."""
     from common import distributed
 
-    dist = distributed.from_environment(getattr(cfg, "device", "cpu"))
+    dist = distributed.from_environment("cpu" if mode.cpu_collectives else getattr(cfg, "device", "cpu"))
     # torchrun restarts the ranks of every node, but only the node whose rank failed counts a restart
     # (TORCHELASTIC_RESTART_COUNT): rank 0 may be one that does not know the job is continuing.
     restarted = dist.world_size > 1 and any(dist.gather_objects(elastic_restarts() > 0))
