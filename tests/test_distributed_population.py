@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, SHM, script_env
@@ -24,9 +25,12 @@ from multinode import Nodes
 from test_faults import log_text, rows, wait_until
 
 from common.checkpoint import load_checkpoint
+from common.config import parse_args
+from common.envs.market import load_market_data
 from common.population_relay import Parcel, check_parcel
+from common.run import FlatConfig, probe_env
 from common.shm import reclaim_stale_segments
-from train_ppo_multiprocess import FILE_PLACES, REPORTS
+from train_ppo_multiprocess import FILE_PLACES, MODE, REPORTS, fingerprint
 
 SCRIPT = "train_ppo_multiprocess.py"
 CARTPOLE = ["--env-id", "CartPole-v1", "--num-workers", "1", "--num-envs-per-worker", "4", "--n-steps", "64",
@@ -70,6 +74,8 @@ def test_pbt_across_nodes_a_signal_on_node_1_and_resume_to_one_leaderboard(tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 143 and summary["stop_reason"] == "interrupted"
     assert summary["world_size"] == 2 and summary["population_size"] == 2 and summary["ranks_lost"] == 0
+    assert [w["rank"] for w in summary["workers"]] == [0, 1]
+    assert summary["rank_traffic"]["1"]["sent_mib"] > 0.1  # the donor's checkpoint (141 KB) went to node 1
     steps = {i: w["step"] for i, w in enumerate(summary["workers"])}
     for i, step in steps.items():  # every member saved where it stopped, node 1's into rank 0's directory
         assert (out / "checkpoints" / f"worker_{i}_step_{step}.pt").is_file(), sorted((out / "checkpoints").iterdir())
@@ -89,8 +95,9 @@ def test_pbt_across_nodes_a_signal_on_node_1_and_resume_to_one_leaderboard(tmp_p
     main_log = log_text(out)
     for i, step in steps.items():
         assert re.search(rf"worker {i} running \(pid \d+\) from step {step}{' on rank 1' if i else ''}\n", main_log)
-    assert re.search(rf"worker 1 resumed from \S+worker_1_step_{steps[1]}\.pt at step {steps[1]}",
-                     (out / "logs" / "worker_1.log").read_text())
+    worker_1_log = (out / "logs" / "worker_1.log").read_text()  # both sessions' parts, appended
+    assert "PBT: copied worker 0" in worker_1_log
+    assert re.search(rf"worker 1 resumed from \S+worker_1_step_{steps[1]}\.pt at step {steps[1]}", worker_1_log)
     assert {int(r["worker"]): int(r["worker_step"]) for r in rows(out)} == {0: target, 1: target}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["rank_traffic"]["1"]["sent_mib"] > 0.1  # the handed-back file
@@ -188,3 +195,24 @@ def test_a_parcel_carries_files_to_where_their_names_say_and_nowhere_else(tmp_pa
     assert "bytes attached" in refused(files=[["worker_3_step_512.pt", 8], ["worker_3.log", 15]])
     assert "a message" in refused(events=[{**info["events"][0], "kind": "exec"}])
     assert "does not carry" in refused(events=[{**info["events"][0], "files": {"log": "worker_4.log"}}])
+
+
+def test_the_fingerprint_differs_with_the_settings_and_the_data_but_not_with_node_local_paths(tmp_path):
+    """What a rank shows rank 0 at the start: another training setting or market history is refused,
+    another cache directory, device or output directory is not."""
+    env = probe_env("CartPole-v1")
+    env.extra["item_indices"] = [0, 1]
+
+    def shown(*argv, data=None) -> dict:
+        cfg = FlatConfig(parse_args(MODE.config, [str(a) for a in argv], "")[0])
+        return fingerprint(SimpleNamespace(cfg=cfg, env=env), data)
+
+    base = shown("--env-id", "CartPole-v1")
+    assert shown("--env-id", "CartPole-v1", "--device", "cpu", "--cache-dir", tmp_path, "--output-dir", tmp_path,
+                 "--threads-per-worker", "3", "--no-tensorboard") == base
+    assert shown("--env-id", "CartPole-v1", "--n-epochs", "2") != base
+    assert shown("--env-id", "CartPole-v1", "--num-workers", "2") != base
+    one, _ = load_market_data("synthetic", tmp_path, 5, 800, 0)
+    other, _ = load_market_data("synthetic", tmp_path, 5, 800, 1)
+    assert shown("--env-id", "CartPole-v1", data=one) == shown("--env-id", "CartPole-v1", data=one)
+    assert shown("--env-id", "CartPole-v1", data=one) != shown("--env-id", "CartPole-v1", data=other)
