@@ -284,6 +284,8 @@ class DQNTrainer:
         self.update_credit -= count
         stats = []
         for _ in range(count):
+            if self.run.graceful.requested:  # a signal stops after the update in flight, not after all owed
+                break
             stats.append(self.learner.update(self.buffer, cfg.batch_size))
             if not math.isfinite(stats[-1]["loss"]):
                 raise TrainingDiverged(f"loss became {stats[-1]['loss']} at update {self.learner.updates + 1}")
@@ -479,7 +481,10 @@ class RemoteRollouts:
 
     def __init__(self, run):
         self.run = run
-        self.hub = Hub(run.dist, episode_schema(run.env), run.log)
+        # Each rank may be experience_queue_size messages ahead of the learner, as each local worker
+        # may be batches ahead: an iteration stores a bounded amount, and a full inbox slows the ranks.
+        inbox = max(1, run.cfg.experience_queue_size) * (run.dist.world_size - 1)
+        self.hub = Hub(run.dist, episode_schema(run.env), run.log, inbox_size=inbox)
         self.closed = False
         run.defer(self.close, {"reason": "rank 0 failed", "exit_code": 1})  # only if train() did not close it
         self.hub.refuse_mismatched(fingerprint(run))
