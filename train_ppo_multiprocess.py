@@ -685,9 +685,15 @@ class Population:
                      f" on each of {run.dist.world_size} ranks ({members} in all)" if self.remote else "",
                      sorted(set(self.devices)), self.target, run.run_dir)
         self.save()  # from the start, so that a resume always finds the population's counters
-        for rank in self.remote.ranks if self.remote else []:  # a rank starts its workers once it has these
-            self.remote.hand_over(rank, [p for m in self.remote.members_of(rank) if (p := self.newest_checkpoint(m))])
+        if self.remote is not None:
+            self.hand_over()
         self.supervisor.start()
+
+    def hand_over(self) -> None:
+        """Each other rank starts its workers once it has its members' newest checkpoints (on resume)."""
+        for rank in self.remote.ranks:
+            newest = [self.newest_checkpoint(m) for m in self.remote.members_of(rank)]
+            self.remote.hand_over(rank, [path for path in newest if path is not None])
 
     def newest_checkpoint(self, index: int) -> Path | None:
         for directory in self.sources:
