@@ -119,6 +119,7 @@ def test_sync_mode_is_refused_under_torchrun_with_several_ranks(monkeypatch):
         ultra().Config(async_training=False).validate()
     cfg = ultra().Config(num_workers=3)
     assert cfg.num_actors == 6  # num_workers is per rank; the epsilon spread and the replay count every rank's
+    assert ultra().MODE.distributed and ultra().MODE.cpu_collectives  # gloo between ranks, whatever the device
 
 
 # ----------------------------------------------------------------------------- two localhost nodes
