@@ -43,7 +43,7 @@ def test_seed_004_usage_with_plain_dicts():
     m = ParallelManager({"env_id": "ConnectFour-v0", "seed": 3, "opponent": "heuristic"},
                         {"hidden_dim": 32, "num_layers": 2, "input_dim": 84, "action_dim": 7},
                         {"num_workers": 1, "games_per_worker": 10, "max_game_length": 200, "experience_batch_size": 64,
-                         "model_sync_interval": 100, "timeout": 60.0, "compression_enabled": True})
+                         "model_sync_interval": 100, "timeout": 60.0, "compression_enabled": False})
     assert m.spec.env_kwargs == {"opponent": "heuristic"} and m.model.spec["hidden_sizes"] == [32, 32]
     m.start_workers()
     try:
