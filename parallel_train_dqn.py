@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import require, require_positive
+from common.config import aliased, require, require_positive
 from common.distributed import PeerFailure
 from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer, stop_message
 from common.lazy import lazy_import
 from common.replay import ReplayBuffer, fit_buffer_size, replay_bytes, storage_dtype
-from common.run import Mode, RunConfig, TrainingDiverged, run_training
+from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
 from common.system import resolve_device, usable_cores
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
@@ -55,6 +55,7 @@ networks = lazy_import("common.networks")
 DEFAULT_BUFFER = 100_000
 
 
+@aliased  # seed 002's n_episodes reads and writes total_episodes
 @dataclass
 class Config(RunConfig):
     env_id: str = "ConnectFour-v0"  # any Gymnasium id with a Discrete action space; two-player built-ins use self-play
@@ -96,6 +97,8 @@ class Config(RunConfig):
     model_sync_interval: int = 1  # gradient updates between weight publications (checked once per iteration)
     worker_reset_interval: int | None = None  # iterations between worker resets (fresh envs and seeds; None = never)
     experience_queue_size: int = 2  # batches a worker may play ahead of the learner
+
+    ALIASES = {"n_episodes": "total_episodes"}  # seed 002's name
 
     def validate(self) -> None:
         super().validate()
@@ -636,6 +639,29 @@ MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.spli
             metrics_columns=["epsilon", "loss", "q_mean", "learner_updates", "updates_per_s", "episodes_per_s",
                              "model_version", "staleness", "buffer_size", "train_win_rate", "iteration",
                              "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])
+
+
+def train(config: Config | None = None, **fields) -> dict:
+    """The same run from Python: ``train(Config(env_id="CartPole-v1", duration=0.1))``; returns the summary
+    (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``."""
+    return train_in_process(MODE, config if config is not None else Config(**fields))
+
+
+def train_dqn(n_episodes: int | None = None, num_workers: int | None = None, **fields) -> dict:
+    """Seed 002's call: ``train_dqn(n_episodes=100_000, num_workers=46, episodes_per_batch=4, batch_size=256)``.
+
+    ``num_workers=None`` keeps the default (every core but two); any other keyword is a field of
+    ``Config``. Seed 002's ``learning_steps_per_batch`` is ``replay_ratio`` here (gradient updates per
+    env transition, the same in every script), so a batch's updates follow its length.
+    """
+    if "learning_steps_per_batch" in fields:
+        raise TypeError("learning_steps_per_batch: set replay_ratio instead (gradient updates per env transition; "
+                        f"the default {Config.replay_ratio} makes one update per {1 / Config.replay_ratio:g} steps)")
+    if n_episodes is not None:
+        fields["total_episodes"] = n_episodes
+    if num_workers is not None:
+        fields["num_workers"] = num_workers
+    return train(Config(**fields))
 
 
 def main(argv: list[str] | None = None) -> int:

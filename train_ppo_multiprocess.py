@@ -71,6 +71,7 @@ from common.run import (
     env_kwargs_of,
     probe_env,
     run_training,
+    train_in_process,
 )
 from common.runlog import read_metrics, setup_logging
 from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_torch_threads
@@ -236,6 +237,20 @@ class EvalKwargs:
 
 CONFIG_GROUPS = {"ENV_KWARGS": EnvKwargs, "PPO_KWARGS": PPOKwargs, "TRAIN_KWARGS": TrainKwargs,
                  "EVAL_KWARGS": EvalKwargs}
+
+
+class Config(FlatConfig):
+    """The four groups from one flat set of fields, for Python: ``Config(num_workers=8, learning_rate=3e-4)``
+    (each field goes to the group that owns it; the others keep their defaults)."""
+
+    def __init__(self, **settings: Any):
+        owner = {f.name: name for name, cls in CONFIG_GROUPS.items() for f in fields(cls)}
+        unknown = sorted(set(settings) - set(owner))
+        if unknown:
+            raise TypeError(f"unknown field(s) {', '.join(unknown)}; the fields are those of "
+                            f"{', '.join(cls.__name__ for cls in CONFIG_GROUPS.values())}")
+        super().__init__({name: cls(**{k: v for k, v in settings.items() if owner[k] == name})
+                          for name, cls in CONFIG_GROUPS.items()})
 
 
 def config_from_dict(values: dict[str, Any]) -> FlatConfig:
@@ -1095,6 +1110,12 @@ MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__d
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
                              "update_ms", "workers_running"],
             distributed=True)  # under torchrun every rank runs members; rank 0 coordinates them and writes
+
+
+def train(config: Config | None = None, **settings) -> dict:
+    """The same run from Python: ``train(Config(env_id="CartPole-v1", num_workers=2))``; returns the
+    summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``."""
+    return train_in_process(MODE, config if config is not None else Config(**settings))
 
 
 def main(argv: list[str] | None = None) -> int:

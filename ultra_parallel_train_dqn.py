@@ -38,11 +38,11 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import require, require_positive, to_dict
+from common.config import aliased, require, require_positive, to_dict
 from common.distributed import PeerFailure, launched_by_torchrun
 from common.envs import make_vec_env
 from common.envs.grid_coverage import VIEWS as GRID_VIEWS
@@ -50,7 +50,7 @@ from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, inte
 from common.lazy import lazy_import
 from common.replay import fit_buffer_size, nstep_returns, storage_dtype
 from common.replay_shm import ReplayLayout, make_replay, open_writer
-from common.run import EXIT_FAILED, Mode, RunConfig, TrainingDiverged, run_training
+from common.run import EXIT_FAILED, Mode, RunConfig, TrainingDiverged, run_training, train_in_process
 from common.shm import SharedArrays, attach_all
 from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_torch_threads
 from common.system import resolve_device
@@ -61,6 +61,7 @@ CHECKPOINT_PATTERN = r"ultra_model_ep\d+\.pt|latest\.pt"
 torch, dqn, networks = lazy_import("torch"), lazy_import("common.dqn"), lazy_import("common.networks")
 
 
+@aliased  # seed 001's names (n_workers, n_episodes, envs_per_worker) read and write the same fields
 @dataclass
 class Config(RunConfig):
     env_id: str = "GridCoverage-v0"  # any Gymnasium id with a Discrete action space and a Box observation
@@ -106,16 +107,8 @@ class Config(RunConfig):
     save_every_episodes: int = 5_000  # write checkpoints/ultra_model_ep<N>.pt every this many episodes (and by time)
     keep_checkpoints: int = 5  # periodic checkpoints kept (older ones are deleted)
     metrics_interval_s: float = 1.0  # seconds between metrics.csv rows
-    n_workers: InitVar[int | None] = None  # seed 001's name for num_workers
-    n_episodes: InitVar[int | None] = None  # seed 001's name for total_episodes
 
     ALIASES = {"n_workers": "num_workers", "n_episodes": "total_episodes", "envs_per_worker": "num_envs_per_worker"}
-
-    def __post_init__(self, n_workers: int | None, n_episodes: int | None) -> None:
-        if n_workers is not None:
-            self.num_workers = n_workers
-        if n_episodes is not None:
-            self.total_episodes = n_episodes
 
     @property
     def num_actors(self) -> int:
@@ -954,6 +947,17 @@ MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__
                              "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s", "episodes_per_s",
                              "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
             distributed=True, cpu_collectives=True)
+
+
+def train(config: Config | None = None, **fields) -> dict:
+    """The same run from Python, seed 001's way::
+
+        config = UltraTrainingConfig(n_episodes=100_000, n_workers=120, batch_size=256, async_training=True)
+        summary = train(config)
+
+    Returns the summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``.
+    """
+    return train_in_process(MODE, config if config is not None else Config(**fields))
 
 
 def main(argv: list[str] | None = None) -> int:

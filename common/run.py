@@ -704,7 +704,7 @@ def train_in_process(mode: Mode, config: Any) -> dict:
     budget = TimeBudget(started=time.time())
     with tempfile.TemporaryDirectory(prefix="prl_config_") as tmp:
         path = Path(tmp) / "config.yaml"
-        path.write_text(config_yaml(config))
+        path.write_text(config_yaml(_groups_or_config(config)))
         try:
             run = open_any_run(mode, ["--config", str(path)], exit_on_error=False, budget=budget)
         except ConfigError as err:

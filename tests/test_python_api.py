@@ -93,3 +93,51 @@ def test_aliases_read_and_write_the_same_field():
     assert settings.num_workers == 7 and to_dict(settings) == {"num_workers": 7, "total_episodes": 10}
     with pytest.raises(TypeError, match="same setting"):
         Settings(n_workers=1, num_workers=2)
+
+
+SEED_FORMS = textwrap.dedent('''
+    import json, sys
+    import parallel_train_dqn
+    import train_ppo_multiprocess
+    import ultra_parallel_train_dqn
+    from ultra_parallel_train_dqn import UltraTrainingConfig
+
+    if __name__ == "__main__":
+        out = sys.argv[1]
+        config = UltraTrainingConfig(env_id="CartPole-v1", n_episodes=30, n_workers=1, envs_per_worker=4,
+                                     learning_starts=200, tensorboard=False, output_dir=out + "/ultra")
+        results = {"ultra": ultra_parallel_train_dqn.train(config)}
+        results["dqn"] = parallel_train_dqn.train_dqn(n_episodes=16, num_workers=1, env_id="CartPole-v1",
+                                                      episodes_per_batch=8, eval_interval=0, eval_episodes=4,
+                                                      learning_starts=100, tensorboard=False,
+                                                      output_dir=out + "/dqn")
+        results["population"] = train_ppo_multiprocess.train(train_ppo_multiprocess.Config(
+            env_id="CartPole-v1", num_workers=1, num_envs_per_worker=4, n_steps=64, batch_size=64,
+            max_steps_per_worker=512, target_return="none", eval_episodes=2, tensorboard=False,
+            output_dir=out + "/population"))
+        print(json.dumps({k: {"exit_code": v["exit_code"], "episodes": v["episodes"], "steps": v["global_step"],
+                              "run_dir": v["run_dir"], "num_workers": v["num_workers"]} for k, v in results.items()}))
+''')
+
+
+@pytest.mark.timeout(240)
+def test_the_seeds_python_forms(tmp_path):
+    """Seed 001's UltraTrainingConfig(...) then train, seed 002's train_dqn(...), the population's train(Config(...))."""
+    program = tmp_path / "seeds.py"
+    program.write_text(SEED_FORMS)
+    result = subprocess.run([sys.executable, str(program), str(tmp_path)], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["ultra"]["exit_code"] == 0 and out["ultra"]["episodes"] >= 30 and out["ultra"]["num_workers"] == 1
+    assert out["dqn"]["exit_code"] == 0 and out["dqn"]["episodes"] >= 16
+    assert out["population"]["exit_code"] == 0 and out["population"]["steps"] >= 512
+    for name, summary in out.items():
+        assert summary["run_dir"] == str(tmp_path / name) and (tmp_path / name / "summary.json").exists()
+
+
+def test_seed_002_learning_steps_per_batch_points_to_replay_ratio():
+    import parallel_train_dqn
+
+    with pytest.raises(TypeError, match="replay_ratio"):
+        parallel_train_dqn.train_dqn(learning_steps_per_batch=184)
