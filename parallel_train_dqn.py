@@ -351,7 +351,7 @@ class DQNTrainer:
             log.info("eval: mean return %.2f over %d greedy episodes", result["eval_return"], len(episodes))
             return result
         out: dict[str, float] = {}
-        for opponent in ("random", "heuristic"):
+        for opponent in EVALUATION_OPPONENTS:  # the training mix's fixed players, then search players it never met
             games = {seat: np.array([e["result"] for e in self.manager.evaluate(cfg.eval_episodes, opponent, first)])
                      for seat, first in (("first", True), ("second", False))}
             both = np.concatenate(list(games.values()))
@@ -359,11 +359,9 @@ class DQNTrainer:
             out.update({f"eval_win_{opponent}": float(np.mean(both == 1.0)),
                         f"eval_draw_{opponent}": float(np.mean(both == 0.0)),
                         f"eval_loss_{opponent}": float(np.mean(both == -1.0))})
-        log.info("eval: win rate vs random %.1f%% (first %.1f%%, second %.1f%%), vs heuristic %.1f%% "
-                 "(first %.1f%%, second %.1f%%, draws %.1f%%)",
-                 *(100 * out[k] for k in ("eval_win_random", "eval_win_random_first", "eval_win_random_second",
-                                          "eval_win_heuristic", "eval_win_heuristic_first",
-                                          "eval_win_heuristic_second", "eval_draw_heuristic")))
+        log.info("eval: win/draw/loss %% vs %s", ", ".join(
+            f"{o} {100 * out[f'eval_win_{o}']:.0f}/{100 * out[f'eval_draw_{o}']:.0f}/{100 * out[f'eval_loss_{o}']:.0f}"
+            for o in EVALUATION_OPPONENTS))
         return out
 
     def state_dict(self) -> dict:
@@ -630,7 +628,11 @@ def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
 
-EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent in ("random", "heuristic")
+# ConnectFour's evaluation opponents: the training mix's fixed players, then the search players it never
+# meets (common.envs.connect_four.EVALUATION_OPPONENTS, which a test holds equal; named here so that
+# --help loads no gymnasium).
+EVALUATION_OPPONENTS = ("random", "heuristic", "search1", "search2", "search3", "search4")
+EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent in EVALUATION_OPPONENTS
                                   for what, seat in (("win", ""), ("win", "_first"), ("win", "_second"),
                                                      ("draw", ""), ("loss", ""))]
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],

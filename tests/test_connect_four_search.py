@@ -255,3 +255,17 @@ def test_evaluate_reports_win_draw_loss_against_every_opponent_from_both_seats()
     text = _text({"checkpoint": "x.pt", **result})
     for name in EVALUATION_OPPONENTS:
         assert f"\n  vs {name:<10}" in text, text
+
+
+def test_the_self_play_script_evaluates_against_every_opponent_and_trains_with_none_held_out():
+    import parallel_train_dqn
+
+    from common.envs import connect_four
+    from common.envs.selfplay import opponent_mixture
+
+    assert parallel_train_dqn.EVALUATION_OPPONENTS == connect_four.EVALUATION_OPPONENTS
+    assert {f"eval_win_{name}" for name in connect_four.HELD_OUT_PLAYERS} <= set(parallel_train_dqn.EVAL_COLUMNS)
+    rng = np.random.default_rng(0)
+    assert opponent_mixture({"probs": {"random": 0.5, "heuristic": 0.5}}, None, [], 4, rng) is not None
+    with pytest.raises(ValueError, match="held out for evaluation"):
+        opponent_mixture({"probs": {"random": 0.9, "search2": 0.1}}, None, [], 4, rng)

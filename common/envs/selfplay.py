@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.envs.connect_four import make_player
+from common.envs.connect_four import check_training_opponents, make_player
 
 
 class PolicyPlayer:
@@ -63,6 +63,7 @@ def opponent_mixture(payload: dict[str, Any], latest: Any, snapshots: list[Any],
     ``latest`` is the learner's current policy, ``snapshots`` the past ones, as policies for
     :class:`PolicyPlayer`.
     """
+    check_training_opponents(payload.get("probs", {}))  # the search players judge training, never take part
     epsilon = float(payload.get("epsilon", 0.0))
     players, probs = [], []
     for name, prob in payload.get("probs", {}).items():
