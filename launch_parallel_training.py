@@ -110,9 +110,21 @@ EXTRAS = [
 ]
 
 
+def tested_versions() -> dict[str, str]:
+    """The exact versions the tests and benchmarks ran on (constraints.txt), by package name."""
+    path = ROOT / "constraints.txt"
+    pins = {}
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        name, _, version = line.split("#", 1)[0].strip().partition("==")
+        if version:
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
 def dependency_report() -> dict:
-    """Each requirement: installed version or missing, and whether it satisfies the pin."""
-    entries, missing = [], []
+    """Each requirement: installed version or missing, whether it is inside the range requirements.txt
+    states, and the version the tests ran on."""
+    entries, missing, tested = [], [], tested_versions()
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
@@ -124,7 +136,8 @@ def dependency_report() -> dict:
         except importlib.metadata.PackageNotFoundError:
             version = None
         ok = version is not None and _satisfies(version, spec)
-        entries.append({"package": name, "required": spec or "any", "installed": version, "ok": ok})
+        entries.append({"package": name, "required": spec or "any", "installed": version, "ok": ok,
+                        "tested": tested.get(name.lower())})
         if not ok:
             missing.append(name)
     extras = [{**extra, "installed": all(importlib.util.find_spec(m) is not None for m in extra["modules"]),
@@ -459,7 +472,8 @@ def print_report(report: dict) -> None:
     print("Dependencies")
     for p in deps["packages"]:
         state = p["installed"] or "MISSING"
-        print(f"  {'ok ' if p['ok'] else 'BAD'} {p['package']:<15} {state:<14} (requires {p['required']})")
+        tested = f", tested with {p['tested']}" if p.get("tested") else ""
+        print(f"  {'ok ' if p['ok'] else 'BAD'} {p['package']:<15} {state:<14} (requires {p['required']}{tested})")
     print(f"  torch build: {deps['torch_build'] or 'torch not installed'}")
     for extra in deps["extras"]:
         state = "installed" if extra["installed"] else f"not installed ({extra['install_hint']})"

@@ -38,3 +38,17 @@ def test_test_only_packages_are_not_runtime_requirements():
                                          ("2.4.0", True), ("2.3.1", False), ("3.0.0", False)])
 def test_the_launcher_accepts_any_torch_build_inside_the_range(version, ok):
     assert launcher._satisfies(version, entries("requirements.txt")["torch"]) is ok
+
+
+@pytest.mark.parametrize("torch_version, accepted", [("2.12.0+cu126", True), ("2.8.0a0+5228986c39.nv25.05", True),
+                                                     ("2.3.1+cu121", False)])
+def test_the_launcher_runs_on_any_torch_inside_the_range_and_says_what_was_tested(monkeypatch, capsys,
+                                                                                 torch_version, accepted):
+    real = launcher.importlib.metadata.version
+    monkeypatch.setattr(launcher.importlib.metadata, "version",
+                        lambda name: torch_version if name == "torch" else real(name))
+    assert launcher.main(["--check-only"]) == (0 if accepted else 1)
+    out = capsys.readouterr().out
+    tested = entries("constraints.txt")["torch"][2:]
+    assert f"torch           {torch_version}" in out and f"tested with {tested}" in out
+    assert ("missing or wrong version: torch" in out) is not accepted
