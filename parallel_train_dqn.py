@@ -637,7 +637,7 @@ EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent i
                                                      ("draw", ""), ("loss", ""))]
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_memory,
-            distributed=True,
+            distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
             metrics_columns=["epsilon", "loss", "q_mean", "learner_updates", "updates_per_s", "episodes_per_s",
                              "model_version", "staleness", "buffer_size", "train_win_rate", "iteration",
                              "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])

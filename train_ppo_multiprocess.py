@@ -1109,7 +1109,9 @@ MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__d
             metrics_columns=["worker", "worker_step", "worker_sps", "worker_cpu_sps", "learning_rate",
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
                              "update_ms", "workers_running"],
-            distributed=True)  # under torchrun every rank runs members; rank 0 coordinates them and writes
+            # Under torchrun every rank runs members; rank 0 coordinates them and writes. The ranks exchange
+            # CPU arrays only (gloo), whatever devices the members train on.
+            distributed=True, cpu_collectives=True)
 
 
 def train(config: Config | None = None, **settings) -> dict:
