@@ -61,10 +61,20 @@ def rows(run_dir) -> list[dict]:
         return []
 
 
-def rank_1_contributes(run_dir) -> bool:
-    """A metrics row shows rank 1's actors stepping (rank_sps is "rank 0:rank 1") and a checkpoint exists."""
-    return any(float(r["rank_sps"].split(":")[1]) > 0 for r in rows(run_dir) if ":" in r.get("rank_sps", "")) \
-        and any((run_dir / "checkpoints").glob("ultra_model_ep*.pt"))
+def rank_1_steps(metrics: list[dict]) -> float:
+    """Rank 1's env steps over these metrics rows, from its rate in each (rank_sps is "rank 0:rank 1")."""
+    steps, then = 0.0, None
+    for row in metrics:
+        now = float(row["wall_time"])
+        if then is not None and ":" in row["rank_sps"]:
+            steps += float(row["rank_sps"].split(":")[1]) * (now - then)
+        then = now
+    return steps
+
+
+def rank_1_contributed(run_dir, since_row: int = 0) -> bool:
+    """Rank 1's actors took enough steps to finish episodes (Catch's last 9) and a checkpoint exists."""
+    return rank_1_steps(rows(run_dir)[since_row:]) >= 200 and any((run_dir / "checkpoints").glob("ultra_model_ep*"))
 
 
 def summary(run_dir) -> dict:
@@ -128,7 +138,7 @@ def test_sync_mode_is_refused_under_torchrun_with_several_ranks(monkeypatch):
 def test_both_nodes_fill_one_replay_ctrl_c_on_node_1_stops_both_and_the_resumed_run_survives_losing_it(tmp_path):
     run_dir = tmp_path / "apex"
     with Nodes(tmp_path, SCRIPT, *CATCH, *ENDLESS, "--output-dir", run_dir, env=FAST_FAILURE) as nodes:
-        assert wait_until(lambda: rank_1_contributes(run_dir), 150), nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
+        assert wait_until(lambda: rank_1_contributed(run_dir), 150), nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
         os.killpg(nodes.procs[1].pid, signal.SIGINT)  # Ctrl+C in node 1's terminal (its torchrun passes it on)
         assert wait_until(lambda: (run_dir / "summary.json").exists(), 60), nodes.log(0)[-3000:]
         assert nodes.wait_workers_gone(1, 30) and nodes.wait_workers_gone(0, 30)
@@ -143,7 +153,8 @@ def test_both_nodes_fill_one_replay_ctrl_c_on_node_1_stops_both_and_the_resumed_
     traffic = done["rank_traffic"]["1"]
     assert traffic["rows"] >= done["rank_transitions"]["1"] > 0
     per_row = traffic["mib"] * 2**20 / traffic["rows"]
-    assert CATCH_ROW_BYTES <= per_row < 1.2 * CATCH_ROW_BYTES, per_row  # uint8 frames on the wire (float32: 4x)
+    # uint8 frames on the wire: float32 would be 4x (the rest is the messages' JSON, heartbeats included)
+    assert CATCH_ROW_BYTES <= per_row < 2 * CATCH_ROW_BYTES, per_row
     assert done["ranks_lost"] == 0 and done["prioritized"]
     # Rank 0 alone wrote the run directory.
     written = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()}
@@ -162,7 +173,7 @@ def test_both_nodes_fill_one_replay_ctrl_c_on_node_1_stops_both_and_the_resumed_
     resume.mkdir()
     with Nodes(resume, SCRIPT, *CATCH, *ENDLESS, "--output-dir", run_dir, "--resume", "auto",
                env=FAST_FAILURE) as nodes:
-        assert wait_until(lambda: len(rows(run_dir)) > before + 1 and rank_1_contributes(run_dir), 150), \
+        assert wait_until(lambda: rank_1_contributed(run_dir, since_row=before), 150), \
             nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
         rank_1 = nodes.workers(1)[0].pid
         nodes.kill(1)
@@ -209,8 +220,8 @@ def test_elastic_restart_resumes_every_rank_then_rank_0_death_ends_node_1_within
         rank_0 = nodes.workers(0)[0].pid
         nodes.kill(0)
         killed = time.monotonic()
-        assert nodes.wait_workers_gone(1, 20), nodes.log(1)[-3000:]
-        assert time.monotonic() - killed < 15
+        assert nodes.wait_workers_gone(1, 30), nodes.log(1)[-3000:]
+        assert time.monotonic() - killed < 20  # PRL_COLLECTIVE_TIMEOUT_S is 10 s; a broken connection shows at once
         assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         text = nodes.log(1)
     assert segments_of(rank_1.pid) == []
