@@ -122,6 +122,7 @@ def test_kill_9_of_node_1_rank_0_goes_on_and_reports_its_member(tmp_path):
             "--pbt-interval", "2048"]
     with Nodes(tmp_path, SCRIPT, *args) as nodes:
         assert wait_until(lambda: worker_rows(out, 1), 90), log_text(out)[-3000:] + nodes.log(1)[-3000:]
+        rank_1 = nodes.workers(1)[0].pid
         nodes.kill(1)
         at_loss = len(worker_rows(out, 0))
         # Rank 0's worker finishes its budget, then rank 0 exits (its torchrun agent would wait 5 minutes
@@ -138,7 +139,11 @@ def test_kill_9_of_node_1_rank_0_goes_on_and_reports_its_member(tmp_path):
     assert summary["ranks_lost"] == 1 and summary["lost_ranks"][0]["rank"] == 1
     assert summary["workers"][1]["lost"].startswith("rank 1 lost") and summary["workers"][0]["finished"]
     assert [r["worker"] for r in summary["leaderboard"]] == [0] and (out / "best.pt").is_file()
-    shutil.rmtree(scratch_of(nodes.log(1)))  # what kill -9 left of node 1 (a batch system cleans $TMPDIR)
+    # What kill -9 may leave of node 1: its scratch directory (a batch system cleans $TMPDIR) and its copy of
+    # the market cache, which the next run on that node reclaims.
+    shutil.rmtree(scratch_of(nodes.log(1)))
+    reclaim_stale_segments()
+    assert not list(SHM.glob(f"prl_{rank_1}_*"))
 
 
 @pytest.mark.timeout(90)
