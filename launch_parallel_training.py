@@ -860,13 +860,18 @@ def per_rank_args(rec_args: list[str], mode: Mode, nproc: int) -> list[str]:
     return [item for pair in args.items() for item in pair]
 
 
+# Without it, ranks restarted by --max-restarts on several nodes read the old ranks' addresses from the
+# agent's shared TCP store and cannot connect (pytorch/pytorch#135712); every node's torchrun needs it.
+RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
 def torchrun_words(nnodes: str, nproc: int, endpoint: str, rdzv_id: str, opts: argparse.Namespace,
                    is_host: bool | None) -> list[str]:
     """torchrun's options, already shell-quoted (``nnodes`` and ``endpoint`` may be shell variables).
     ``is_host`` says outright which node hosts the rendezvous: torch's guess compares the endpoint with
     the machine's hostname and misses an address on a second network card, a cluster network's."""
     conf = f"join_timeout={opts.join_timeout}" + ("" if is_host is None else f",is_host={int(is_host)}")
-    return ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+    return [*([RESTART_ENV] if is_host is not None and opts.max_restarts else []), "torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", _quote(rdzv_id), "--rdzv-conf", conf,
             "--max-restarts", str(opts.max_restarts)]
 
@@ -917,6 +922,8 @@ def slurm_script(multinode: dict, facts: dict, script_words: list[str], port: in
         "set -euo pipefail",
         "# srun does not inherit --cpus-per-task from sbatch since Slurm 22.05",
         'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
+        *([f"# torchrun's restarts across nodes need it (pytorch/pytorch#135712)", f"export {RESTART_ENV}"]
+          if opts.max_restarts else []),
         "# The rendezvous host: the node whose name sorts first, the one c10d makes rank 0. Its address must be",
         "# reachable only from this job's nodes (a cluster network, never a public interface).",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | LC_ALL=C sort | head -n 1)',

@@ -45,6 +45,9 @@ def _endpoint(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Restarted ranks on several nodes otherwise read the old ranks' addresses from the agent's shared
+    # store and cannot connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _import_torch_quietly()
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main

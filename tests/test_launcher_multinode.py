@@ -53,6 +53,7 @@ def options(words: list[str]) -> dict[str, str]:
 def split_command(command: str) -> tuple[list[str], list[str]]:
     """(torchrun and its options, the script and its flags)."""
     words = shlex.split(command)
+    words = words[1:] if words[0] == launcher.RESTART_ENV else words
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))
     return words[:script], words[script:]
 
@@ -73,6 +74,9 @@ def test_each_node_gets_a_torchrun_command_with_the_plans_flags(mode, nnodes, tm
     assert multinode["world_size"] == nnodes and multinode["nproc_reason"].startswith("one rank per node")
     rdzv_id = multinode["rdzv_id"]
     assert re.fullmatch(rf"prl-{mode}-\d{{8}}", rdzv_id)
+    # --max-restarts 3 by default: restarts across nodes need torch's shared store off (pytorch#135712)
+    assert all(c.startswith(launcher.RESTART_ENV + " torchrun ") for c in multinode["commands"])
+    assert f"export {launcher.RESTART_ENV}" in multinode["slurm"]
     env_id = launcher.MODES[mode].default_env
     run_dir = f"runs/{script_name[:-3]}/{env_id}__1__{rdzv_id}"
     assert multinode["output_dir"] == run_dir
@@ -285,8 +289,9 @@ def run_nodes(commands: list[str], cwd) -> list[subprocess.CompletedProcess]:
     try:
         for command in commands:
             words = shlex.split(command)
+            variable, value = words.pop(0).split("=") if words[0] == launcher.RESTART_ENV else ("_", "")
             procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:]], cwd=cwd,
-                                          env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          env={**script_env(), variable: value}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, start_new_session=True))
             time.sleep(0.5)  # node 0's agent first: it hosts the store, and its lower pid makes it rank 0 here
         outputs = [p.communicate(timeout=100)[0] for p in procs]
