@@ -354,6 +354,10 @@ BAD_INPUTS = {
     "resume of another width": (lambda s, t: ["--resume", str(fake_checkpoint(t / "w.pt", s.name, hidden_sizes=[3]))],
                                 "was trained with hidden_sizes [3]"),
     "output dir is a file": (lambda s, t: ["--output-dir", write(t / "file", "x")], "is a file, not a directory"),
+    "output dir under a file": (lambda s, t: ["--output-dir", write(t / "file", "x") + "/run"],
+                                "cannot be created: "),
+    "unknown key in a YAML section": (lambda s, t: ["--config", write(t / "sections.yaml", "parallel:\n  seed: 7\n")],
+                                      "unknown key 'parallel.seed'; the parallel section takes"),
 }
 
 
