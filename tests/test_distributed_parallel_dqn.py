@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 from multinode import Nodes
+from test_faults import wait_until
 
 from common.shm import reclaim_stale_segments
 from parallel_train_dqn import check_episodes, episode_schema, pack_episodes, unpack_episodes
@@ -30,15 +31,6 @@ TINY = ["--num-workers", "1", "--hidden-sizes", "32", "32", "--episodes-per-batc
 SELF_PLAY = [*TINY, "--snapshot-interval", "2", "--opponent-latest", "0.4", "--opponent-snapshot", "0.4",
              "--opponent-random", "0.2"]
 CARTPOLE = [*TINY, "--env-id", "CartPole-v1", "--target-return", "none"]
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def summary(run_dir: Path) -> dict:
@@ -107,7 +99,7 @@ def test_self_play_signal_on_node_1_then_resume_with_a_refused_and_a_killed_node
     (tmp_path / "a").mkdir()
     with Nodes(tmp_path / "a", SCRIPT, *args, "--duration", "0.05") as nodes:
         # Snapshots and weights reached node 1's workers before the signal.
-        assert wait_for(lambda: "its first" in nodes.log(0) and rank_lines(nodes.log(1), 1, r"pool of [1-9]"), 60), \
+        assert wait_until(lambda: "its first" in nodes.log(0) and rank_lines(nodes.log(1), 1, r"pool of [1-9]"), 60), \
             nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
         os.kill(nodes.procs[1].pid, signal.SIGTERM)  # what Ctrl+C or scancel does to node 1's torchrun
         assert nodes.wait(1, 45) is not None and nodes.wait(0, 45) is not None
@@ -136,7 +128,7 @@ def test_self_play_signal_on_node_1_then_resume_with_a_refused_and_a_killed_node
     (tmp_path / "b").mkdir()
     with Nodes(tmp_path / "b", SCRIPT, *args, "--duration", "0.004", "--resume", "auto", nnodes=3,
                per_node={2: ["--hidden-sizes", "16", "16"]}) as nodes:
-        assert wait_for(lambda: "its first" in nodes.log(0), 60), nodes.log(0)[-3000:]
+        assert wait_until(lambda: "its first" in nodes.log(0), 60), nodes.log(0)[-3000:]
         assert nodes.wait(2, 10) is not None  # the refused node has ended by itself
         refused_line = [line for line in nodes.log(2).splitlines() if line.startswith("error:")]
         assert len(refused_line) == 1 and "refused by rank 0" in refused_line[0], nodes.log(2)
@@ -168,12 +160,12 @@ def test_self_play_signal_on_node_1_then_resume_with_a_refused_and_a_killed_node
 def test_rank_0_killed_ends_node_1_in_one_line_leaving_nothing(tmp_path):
     with Nodes(tmp_path, SCRIPT, *CARTPOLE, "--duration", "0.05", "--output-dir", tmp_path / "run",
                env={"PRL_COLLECTIVE_TIMEOUT_S": "10"}) as nodes:
-        assert wait_for(lambda: "its first" in nodes.log(0), 60), nodes.log(0)[-3000:]
+        assert wait_until(lambda: "its first" in nodes.log(0), 60), nodes.log(0)[-3000:]
         rank_1 = nodes.workers(1)[0]
         node_1 = [rank_1, *rank_1.children(recursive=True)]  # its rollout worker too
         nodes.kill(0)
         killed = time.monotonic()
-        gone = wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in node_1), 30)
+        gone = wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in node_1), 30)
         took = time.monotonic() - killed
         log1 = nodes.log(1)
     assert gone and took < 10 + 5, (took, log1[-3000:])

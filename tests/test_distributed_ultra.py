@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 from multinode import Nodes
+from test_faults import wait_until
 
 from common.checkpoint import load_checkpoint
 from common.config import ConfigError
@@ -43,15 +44,6 @@ def ultra():
     import ultra_parallel_train_dqn
 
     return ultra_parallel_train_dqn
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def rows(run_dir) -> list[dict]:
