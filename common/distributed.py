@@ -68,6 +68,25 @@ class SingleProcess:
         pass
 
 
+def _store_of_this_attempt(dist, timeout: timedelta):
+    """The rendezvous store under a prefix of its own for a restarted attempt of a one-node job, else None.
+
+    By default torchrun's agent keeps one TCP store for the ranks across restarts, and the previous
+    attempt's keys are still in it: a restarted rank can read a killed rank's address from them and fail
+    with ``Gloo connectFullMesh ... Connection refused`` (pytorch/pytorch#135712). On one node a single
+    agent numbers every attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt gets fresh keys. Across
+    nodes the agents count restarts each for itself, so no prefix is agreed: there
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (set by ``python -m common.torchrun`` and the launcher's
+    commands) gives every attempt a new store instead.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+        return None
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"prl_attempt_{attempt}", store)
+
+
 class TorchDistributed:
     """One rank of a torchrun job. Rank 0 decides (paths, when to stop); gradients are averaged."""
 
@@ -83,7 +102,12 @@ class TorchDistributed:
         if use_cuda:
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = _store_of_this_attempt(dist, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.backend = backend
         # NCCL reduces only tensors on this rank's own GPU: the learner lives there, and so does
         # every tensor a collective here reduces (gloo reduces CPU tensors).
