@@ -92,7 +92,7 @@ class Config(RunConfig):
     opponent_random: float = 0.2  # share against the random player
     opponent_heuristic: float = 0.0  # share against the heuristic player (0 = pure self-play + random)
     opponent_epsilon: float = 0.05  # exploration of policy opponents, so games do not repeat
-    mirror_augment: bool = True  # ConnectFour-v0: also store every move mirrored left-right (the game is symmetric)
+    mirror_augment: bool | None = None  # also store moves under the symmetries the env declares (None = if any)
     max_game_length: int | None = None  # cut episodes after this many steps (None = the environment's own limit)
     model_sync_interval: int = 1  # gradient updates between weight publications (checked once per iteration)
     worker_reset_interval: int | None = None  # iterations between worker resets (fresh envs and seeds; None = never)
@@ -120,6 +120,26 @@ class Config(RunConfig):
                 "must be auto, bf16, fp16 or off")
         require(self.mixed_precision != "fp16" or resolve_device(self.device).startswith("cuda"), "mixed_precision",
                 "fp16", "needs a CUDA device (use bf16 on CPU)")
+
+
+def check_env(cfg: Config, env) -> None:
+    """The symmetries to augment the replay with, and a replay buffer that fits in RAM."""
+    env.extra["symmetries"] = augmenting_symmetries(cfg, env)
+    check_memory(cfg, env)
+
+
+def augmenting_symmetries(cfg: Config, env) -> tuple:
+    """What the env declares (common/envs/symmetry.py), unless --no-mirror-augment; --mirror-augment on an
+    env that declares none is refused rather than left doing nothing."""
+    from common.envs.symmetry import declared_symmetries
+
+    symmetries = declared_symmetries(cfg.env_id)
+    require(bool(symmetries) or cfg.mirror_augment is not True, "mirror_augment", True,
+            f"{cfg.env_id} declares no symmetry to augment the replay with (common/envs/symmetry.py); leave it unset")
+    for symmetry in symmetries:
+        problem = symmetry.mismatch(env.observation_space, env.action_space)
+        require(problem is None, "env_id", cfg.env_id, f"{problem} (its declared symmetries)")
+    return () if cfg.mirror_augment is False else symmetries
 
 
 def check_memory(cfg: Config, env) -> None:
@@ -182,6 +202,15 @@ def make_manager(run, model, epsilon: float, seed: int, log_dir: str | None):
 
 # --------------------------------------------------------------------------- the learner
 
+def store_episode(buffer: ReplayBuffer, ep: dict, symmetries: tuple, gamma: float, n_step: int) -> None:
+    """One whole episode into the replay buffer, and once more under each of the env's symmetries."""
+    buffer.add_episode(ep["obs"], ep["actions"], ep["rewards"], ep["terminated"], ep.get("masks"), gamma, n_step)
+    for symmetry in symmetries:
+        masks = ep.get("masks")
+        buffer.add_episode(symmetry.observations(ep["obs"]), symmetry.actions(ep["actions"]), ep["rewards"],
+                           ep["terminated"], symmetry.masks(masks) if masks is not None else None, gamma, n_step)
+
+
 class DQNTrainer:
     """Collect whole episodes from the workers, store them, learn, publish the weights; repeat."""
 
@@ -194,7 +223,10 @@ class DQNTrainer:
         self.buffer = ReplayBuffer(cfg.buffer_size, env.observation_space.shape, storage_dtype(env.observation_space),
                                    env.action_space.n if env.action_mask else None, cfg.seed)
         run.log.info("%s", self.buffer.describe())
-        self.mirror = cfg.mirror_augment and cfg.env_id == "ConnectFour-v0"
+        self.symmetries = env.extra.get("symmetries", ())
+        if self.symmetries:
+            run.log.info("replay augmented with the env's symmetries (%s): %d transitions stored per step",
+                         ", ".join(s.name for s in self.symmetries), 1 + len(self.symmetries))
         self.update_credit = 0.0  # gradient updates owed to the replay ratio, carried between iterations
         self.last_eval: dict[str, float] = {}
         self.final_eval: dict[str, float] | None = None
@@ -262,13 +294,7 @@ class DQNTrainer:
             self.episodes_by_rank[rank] += len(batch.episodes)
             self.steps_by_rank[rank] += sum(ep["length"] for ep in batch.episodes)
             for ep in batch.episodes:
-                self.buffer.add_episode(ep["obs"], ep["actions"], ep["rewards"], ep["terminated"], ep.get("masks"),
-                                        cfg.gamma, cfg.n_step)
-                if self.mirror:  # the last observation axis is the board's column, which is the action
-                    masks = ep.get("masks")
-                    self.buffer.add_episode(ep["obs"][..., ::-1], ep["obs"].shape[-1] - 1 - ep["actions"],
-                                            ep["rewards"], ep["terminated"],
-                                            masks[:, ::-1] if masks is not None else None, cfg.gamma, cfg.n_step)
+                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step)
                 episodes.append(ep)
         steps = sum(ep["length"] for ep in episodes)
         self.run.counters["global_step"] += steps
@@ -317,10 +343,8 @@ class DQNTrainer:
             manager.reset_workers()
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             self.last_eval = self.evaluate()
-            if cfg.target_win_rate is not None and "eval_win_random" in self.last_eval:
-                if (self.last_eval["eval_win_random"] >= cfg.target_win_rate[0]
-                        and self.last_eval["eval_win_heuristic"] >= cfg.target_win_rate[1]):
-                    self.run.request_stop(f"target win rates {cfg.target_win_rate} reached")
+            if win_rates_reached(cfg.target_win_rate, self.last_eval):
+                self.run.request_stop(f"target win rates {cfg.target_win_rate} reached")
 
     def record(self, stats: dict, learned: list[dict], seconds: float) -> None:
         counters = self.run.counters
@@ -624,6 +648,13 @@ def make_trainer(run):
     return DQNTrainer(run) if run.dist.is_main else RolloutRank(run)
 
 
+def win_rates_reached(target: list[float] | None, evaluation: dict[str, float]) -> bool:
+    """--target-win-rate: an evaluation's win rates against random and heuristic both at least the target's."""
+    if target is None or "eval_win_random" not in evaluation:
+        return False
+    return evaluation["eval_win_random"] >= target[0] and evaluation["eval_win_heuristic"] >= target[1]
+
+
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
@@ -636,7 +667,7 @@ EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent i
                                   for what, seat in (("win", ""), ("win", "_first"), ("win", "_second"),
                                                      ("draw", ""), ("loss", ""))]
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
-            actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_memory,
+            actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_env,
             distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
             metrics_columns=["epsilon", "loss", "q_mean", "learner_updates", "updates_per_s", "episodes_per_s",
                              "model_version", "staleness", "buffer_size", "train_win_rate", "iteration",

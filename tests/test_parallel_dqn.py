@@ -153,3 +153,93 @@ def test_self_play_beats_random(tmp_path):
     assert final["eval_win_random_first"] > 0.55 and final["eval_win_random_second"] > 0.55, final
     snapshots = load_checkpoint(run / "checkpoints" / "latest.pt")["snapshots"]
     assert 1 <= len(snapshots) <= 10  # the opponent pool is saved with the learner
+
+
+# ------------------------------------------------------------------------ symmetries an env declares
+
+def test_connect_four_declares_its_mirror_and_it_is_one():
+    """The declared mirror is a real symmetry: the mirrored move on the mirrored board wins the same way."""
+    from common.envs.connect_four import ConnectFourEnv
+    from common.envs.symmetry import declared_symmetries
+
+    (mirror,) = declared_symmetries("ConnectFour-v0")
+    assert mirror.action_map == (6, 5, 4, 3, 2, 1, 0) and declared_symmetries("CartPole-v1") == ()
+    board = np.zeros((6, 7), dtype=np.int8)
+    board[:3, 1] = 1  # three learner discs in column 1: column 1 wins
+    board[:6, 0] = [-1, 1, -1, 1, -1, 1]  # column 0 full
+    board[0, 4] = -1
+    env = ConnectFourEnv()
+    outcomes = []
+    for position, action in ((board, 1), (board[:, ::-1], int(mirror.actions(np.array(1))))):
+        env.reset(seed=0)
+        env.set_board(position)
+        outcomes.append(env.step(action))
+    (obs, reward, terminated, _, info), (m_obs, m_reward, m_terminated, _, m_info) = outcomes
+    assert reward == m_reward == 1.0 and terminated and m_terminated
+    assert (m_obs == mirror.observations(obs[None])[0]).all()
+    assert (m_info["action_mask"] == mirror.masks(info["action_mask"])).all() and not m_info["action_mask"][6]
+
+
+def test_mirror_augment_stores_every_move_mirrored():
+    from common.envs.symmetry import declared_symmetries
+
+    rng = np.random.default_rng(0)
+    obs = rng.integers(0, 2, (4, 2, 6, 7)).astype(np.float32)  # T + 1 = 4 boards
+    masks = np.ones((4, 7), dtype=bool)
+    masks[1:, 0] = False  # column 0 fills after the first move
+    masks[3, 1] = False
+    episode = {"obs": obs, "actions": np.array([0, 1, 5]), "rewards": np.array([0.0, 0.0, 1.0]), "terminated": True,
+               "masks": masks}
+    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    parallel_train_dqn.store_episode(buffer, episode, declared_symmetries("ConnectFour-v0"), 0.99, 1)
+    assert len(buffer) == 6  # each move twice: as played, then mirrored
+    assert (buffer.obs[:3] == obs[:3]).all() and buffer.actions[:3].tolist() == [0, 1, 5]
+    assert (buffer.obs[3:6] == obs[:3, :, :, ::-1]).all() and (buffer.next_obs[3:6] == obs[1:, :, :, ::-1]).all()
+    assert buffer.actions[3:6].tolist() == [6, 5, 1]  # a -> 6 - a
+    assert (buffer.next_masks[3:6] == masks[1:, ::-1]).all() and not buffer.next_masks[5, 5]
+    assert buffer.rewards[3:6].tolist() == buffer.rewards[:3].tolist() and buffer.dones[:6].tolist() == [0, 0, 1] * 2
+    plain = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    parallel_train_dqn.store_episode(plain, episode, (), 0.99, 1)  # --no-mirror-augment
+    assert len(plain) == 3
+
+
+def test_mirror_augment_on_an_env_without_symmetries(tmp_path, capsys):
+    """Set explicitly on an env that declares none, it is refused (one line, exit 2); left unset, nothing is
+    augmented and the run goes on; --no-mirror-augment turns a declared symmetry off."""
+    from common.run import probe_env
+
+    run = tmp_path / "run"
+    assert parallel_train_dqn.main(["--env-id", "CartPole-v1", "--mirror-augment", "--output-dir", str(run)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --mirror-augment True: CartPole-v1 declares no symmetry")
+    assert not run.exists()
+    assert parallel_train_dqn.main(["--env-id", "CartPole-v1", "--validate-only", "--output-dir", str(run)]) == 0
+    assert not run.exists()
+    cartpole = probe_env("CartPole-v1", actions=("Discrete",))
+    assert parallel_train_dqn.augmenting_symmetries(parallel_train_dqn.Config(env_id="CartPole-v1"), cartpole) == ()
+    connect_four = probe_env("ConnectFour-v0", actions=("Discrete",))
+    names = {flag: [s.name for s in parallel_train_dqn.augmenting_symmetries(
+        parallel_train_dqn.Config(mirror_augment=flag), connect_four)] for flag in (None, True, False)}
+    assert names == {None: ["mirror"], True: ["mirror"], False: []}
+
+
+def test_win_rates_reached_needs_both_rates():
+    reached = parallel_train_dqn.win_rates_reached
+    evaluation = {"eval_win_random": 0.9, "eval_win_heuristic": 0.6}
+    assert reached([0.9, 0.6], evaluation) and reached([0.5, 0.0], evaluation)
+    assert not reached([0.95, 0.6], evaluation) and not reached([0.9, 0.7], evaluation)
+    assert not reached(None, evaluation) and not reached([0.0, 0.0], {"eval_return": 1.0})  # single-agent env
+
+
+@pytest.mark.timeout(90)
+def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
+    """A reachable --target-win-rate ends the run at the first evaluation, long before its episode budget;
+    the default on ConnectFour-v0 stores every move twice (as played and mirrored)."""
+    summary = parallel_train_dqn.train(
+        num_workers=1, episodes_per_batch=4, total_episodes=10_000, duration=None, eval_interval=1, eval_episodes=2,
+        target_win_rate=[0.0, 0.0], hidden_sizes=[16], learning_starts=0, batch_size=16, tensorboard=False,
+        output_dir=str(tmp_path / "run"))
+    assert summary["exit_code"] == 0 and summary["stop_reason"] == "target win rates [0.0, 0.0] reached", summary
+    assert summary["iterations"] == 1 and summary["episodes"] == 4
+    (row,) = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert float(row["buffer_size"]) == 2 * float(row["global_step"]) and float(row["eval_win_random"]) >= 0

@@ -18,6 +18,9 @@ game ends.
 Render modes of the single env: ``"ansi"`` (X learner, O opponent) and ``"rgb_array"`` (a blue
 board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
 
+Symmetry: the game mirrored left-right (:data:`MIRROR`, column ``c`` -> ``6 - c``), which both env
+classes declare as ``symmetries`` for replay augmentation (common/envs/symmetry.py).
+
 Fixed players by name (:func:`make_player`): ``random``, ``heuristic``, and the search players
 ``search1`` .. ``search4`` (:class:`SearchPlayer`), which are held out of every training mix
 (:data:`HELD_OUT_PLAYERS`, :func:`check_training_opponents`) so that evaluation against them
@@ -31,6 +34,8 @@ from typing import Any, Protocol
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
+
+from common.envs.symmetry import Symmetry
 
 ROWS, COLS = 6, 7
 LEARNER, OPPONENT = 1, -1
@@ -360,6 +365,18 @@ def _seat_draw(rng: np.random.Generator, learner_first: bool | None, n: int) -> 
     return np.full(n, bool(learner_first))
 
 
+# ------------------------------------------------------------------ symmetry
+
+def mirror_columns(obs: np.ndarray) -> np.ndarray:
+    """Boards mirrored left-right: the last observation axis is the column."""
+    return obs[..., ::-1]
+
+
+# The rules and the fixed players' preferences are the same mirrored, so a position mirrored with its
+# move mirrored (column c -> 6 - c) is worth what the original is (common/envs/symmetry.py).
+MIRROR = Symmetry("mirror", mirror_columns, tuple(range(COLS - 1, -1, -1)))
+
+
 # ------------------------------------------------------------------ vector env
 
 class ConnectFourVectorEnv(gym.vector.VectorEnv):
@@ -370,6 +387,7 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
     """
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+    symmetries = (MIRROR,)
 
     def __init__(self, num_envs: int = 1, opponent: Player | str | None = None,
                  learner_first: bool | None = None, seed: int | None = None,
@@ -463,6 +481,7 @@ class ConnectFourEnv(gym.Env):
     """
 
     metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 2}
+    symmetries = (MIRROR,)  # what replay augmentation may use (common/envs/symmetry.py)
 
     def __init__(self, opponent: Player | str | None = None, learner_first: bool | None = None,
                  render_mode: str | None = None):
