@@ -216,9 +216,12 @@ def report_text(runs: list[Run], all_stats: list[dict], table: str, threshold: f
     base = all_stats[0]
     for run, stats in zip(runs, all_stats):
         lines.append(f"{run.name}  ({run.path})")
+        rate = "no throughput" if math.isnan(stats["sps"]) else f"{stats['sps']:,.0f} steps/s"
         lines.append(f"  env {stats['env']}, {stats['workers']} worker process(es), {stats['steps']:,} env steps "
-                     f"in {stats['wall_s']:.1f} s = {stats['sps']:,.0f} steps/s")
-        if run is not runs[0]:
+                     f"in {stats['wall_s']:.1f} s = {rate}")
+        if run is not runs[0] and math.isnan(stats["speedup"]):
+            lines.append(f"  no speedup to report: {base['run']} took no time (or no step), so it has no throughput")
+        elif run is not runs[0]:
             lines.append(f"  {stats['speedup']:.2f}x the throughput of {base['run']} "
                          f"(efficiency {stats['efficiency']:.0%} per worker)")
         if threshold is not None:

@@ -29,3 +29,5 @@ def test_compare_results_with_a_baseline_that_took_no_time(tmp_path):
     assert result.returncode == 0, result.stderr
     real = next(line for line in result.stdout.splitlines() if line.startswith("real"))
     assert real.split()[5:7] == ["500.0", "-"]  # its own speed, and no speedup over a baseline of no speed
+    report = (tmp_path / "out" / "comparison_report.txt").read_text()
+    assert "no speedup to report: instant took no time" in report and "nan" not in report, report
