@@ -414,7 +414,7 @@ class Agent:
             for command, payload in self.link.commands():
                 if command == "stop":
                     self.stop_payload = self.stop_payload or payload or {"evaluate": False}
-                elif command != "pbt":  # a PBT answer that came after pbt_step stopped waiting is dropped
+                elif command != "pbt":  # a PBT answer that came after pbt_step stopped waiting: out of date
                     raise ValueError(f"worker {self.index}: unknown command {command!r}")
         return True
 
@@ -484,39 +484,52 @@ class Agent:
                       stats["policy_loss"], stats["value_loss"], stats["entropy"], stats["update_ms"])
 
     def pbt_step(self, saved: Path | None) -> None:
-        """Report the score and a fresh checkpoint; the coordinator may answer: copy a stronger worker."""
-        path = saved or self.save(f"worker_{self.index}_step_{self.counters['global_step']}.pt")
+        """Report the score and a fresh checkpoint; the coordinator may answer: copy a stronger worker.
+        A copy made is reported (``pbt_copied``): the coordinator counts only copies that happened."""
+        step = self.counters["global_step"]
+        path = saved or self.save(f"worker_{self.index}_step_{step}.pt")
         score = float(np.mean(self.recent)) if self.recent else -math.inf
-        self.link.send("pbt_ready", {"step": self.counters["global_step"], "score": score, "path": str(path),
-                                     "hyper": dict(self.hyper)})
-        # The answer comes once every running worker has reached this step: wait for the slowest.
-        answer = self.link.receive(timeout=self.cfg.worker_timeout_s)
+        self.link.send("pbt_ready", {"step": step, "score": score, "path": str(path), "hyper": dict(self.hyper)})
+        answer = self.pbt_answer(step)
         if answer is None:
-            self.log.warning("PBT: no answer from the coordinator within %.0f s; continuing unchanged",
-                             self.cfg.worker_timeout_s)
             return
-        command, payload = answer
-        if command == "stop":
-            self.stop_payload = payload or {"evaluate": False}
-            return
-        if command != "pbt":
-            raise ValueError(f"worker {self.index}: unknown command {command!r} during PBT")
-        if payload:
-            donor = checkpoints.load_checkpoint(payload["path"], map_location=self.device,
-                                                required=("model", "optimizer"))
-            self.learner.load_state_dict(donor["model"])
-            self.optimizer.load_state_dict(donor["optimizer"])
-            self.actor.load_state_dict(self.learner.state_dict())
-            self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
-            self.hyper = dict(payload["hyper"])
-            self.normalizer.gamma = self.hyper["gamma"]
-            self.counters["pbt_exploits"] += 1
-            self.recent.clear()
-            self.log.info("PBT: copied worker %d (score %.3f vs ours %.3f); hyperparameters now %s",
-                          payload["donor"], payload["donor_score"], score, self.hyper)
+        donor = checkpoints.load_checkpoint(answer["path"], map_location=self.device, required=("model", "optimizer"))
+        self.learner.load_state_dict(donor["model"])
+        self.optimizer.load_state_dict(donor["optimizer"])
+        self.actor.load_state_dict(self.learner.state_dict())
+        self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
+        self.hyper = dict(answer["hyper"])
+        self.normalizer.gamma = self.hyper["gamma"]
+        self.counters["pbt_exploits"] += 1
+        self.recent.clear()
+        self.log.info("PBT: copied worker %d (score %.3f vs ours %.3f); hyperparameters now %s",
+                      answer["donor"], answer["donor_score"], score, self.hyper)
+        self.link.send("pbt_copied", {"step": step, "copied": answer["donor"], "score": score,
+                                      "donor_score": answer["donor_score"], "hyper": dict(self.hyper)})
+
+    def pbt_answer(self, step: int) -> dict | None:
+        """The coordinator's answer to this step's ``pbt_ready`` if it names a donor; None if it names none,
+        if none came within worker_timeout_s (the coordinator answers once every running worker waits: the
+        slowest may be far behind), or if a stop came instead. An answer to an earlier step, which came after
+        this worker had stopped waiting for it, is out of date and skipped."""
+        deadline = time.monotonic() + self.cfg.worker_timeout_s
+        while (message := self.link.receive(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            command, payload = message
+            if command == "stop":
+                self.stop_payload = self.stop_payload or payload or {"evaluate": False}
+                return None
+            if command != "pbt":
+                raise ValueError(f"worker {self.index}: unknown command {command!r} during PBT")
+            if payload.get("step") == step:
+                return payload if payload.get("donor") is not None else None
+        self.log.warning("PBT: no answer from the coordinator within %.0f s; continuing unchanged",
+                         self.cfg.worker_timeout_s)
+        return None
 
     def finish(self) -> None:
-        """Done: the final checkpoint and an evaluation, or, when stopped early, a checkpoint to continue from."""
+        """Done: the final checkpoint and an evaluation, or, when stopped early, a checkpoint to continue from.
+        The evaluation ends by the stop order's ``report_by`` (with the episodes it finished), so that the
+        coordinator hears from this worker before it kills what is left at the end of stop_timeout_s."""
         c = self.counters
         finished = not self.link.stop_requested or bool(self.stop_payload.get("evaluate"))
         path = self.save(f"worker_{self.index}_final.pt" if finished else
@@ -529,7 +542,7 @@ class Agent:
         self.envs.close()
         self.link.send("done", result)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float] | None:
         cfg = self.cfg
         envs = envs_lib.make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                                      **split_kwargs(self.setup.env_kwargs, "eval", self.data, self.setup.item_indices))
@@ -541,7 +554,15 @@ class Agent:
             self.link.beat()
             return policy(obs, masks)
 
-        return evaluate(envs, act, cfg.eval_episodes, cfg.eval_seed)
+        return evaluate(envs, act, cfg.eval_episodes, cfg.eval_seed, stop=self.out_of_time)
+
+    def out_of_time(self) -> bool:
+        """Past the stop order's ``report_by`` (a stop may also come while a worker done by itself evaluates)."""
+        for command, payload in self.link.commands():
+            if command == "stop":
+                self.stop_payload = self.stop_payload or payload or {"evaluate": False}
+        report_by = self.stop_payload.get("report_by")
+        return report_by is not None and time.time() >= report_by
 
 
 def policy_actions(agent, action_space, deterministic: bool, normalizer):
@@ -571,12 +592,15 @@ def random_actions(action_space, seed: int):
                                            (len(obs), *action_space.shape)).astype(action_space.dtype)
 
 
-def evaluate(envs, act, episodes: int, seed: int) -> dict[str, float]:
-    """Play whole episodes on ``envs`` (held-out windows for Market-v0); their mean return and episode info."""
+def evaluate(envs, act, episodes: int, seed: int, stop=None) -> dict[str, float] | None:
+    """Play whole episodes on ``envs`` (held-out windows for Market-v0); their mean return and episode info.
+    ``stop()`` true ends it early with the episodes finished so far (``episodes`` says how many; None if none)."""
     try:
-        done, _ = envs_lib.play_episodes(envs, act, episodes, seed=seed)
+        done, _ = envs_lib.play_episodes(envs, act, episodes, seed=seed, stop=stop)
     finally:
         envs.close()
+    if not done:
+        return None
     returns = np.array([e["return"] for e in done])
     out = {"mean_return": float(returns.mean()), "std_return": float(returns.std()), "episodes": len(done)}
     for key, value in done[0].items():  # the env's own episode info: net worth, trades, fees ...
@@ -591,12 +615,13 @@ def evaluate(envs, act, episodes: int, seed: int) -> dict[str, float]:
 # rank that receives them, what a rank's workers may report to rank 0, and what rank 0 may answer one.
 FILE_PLACES = (Place(r"worker_(?P<member>\d+)_(step_\d+|final)\.pt", "checkpoints"),
                Place(r"worker_(?P<member>\d+)\.log", "logs", append=True))
-REPORTS = ("ready", "update", "pbt_ready", "done", "diverged", "restarted", "given_up")
+REPORTS = ("ready", "update", "pbt_ready", "pbt_copied", "done", "diverged", "restarted", "given_up")
 COMMANDS = ("pbt",)  # the stop reaches every rank at once (RemoteMembers.stop_members)
 # Settings that may differ between nodes; every other one must equal rank 0's (the fingerprint).
 NODE_LOCAL = ("output_dir", "resume", "data_source", "cache_dir", "device", "gpu_strategy", "num_gpus",
               "threads_per_worker", "tensorboard", "log_interval_s")
 REMOTE_STOP_SLACK_S = 5.0  # past stop_timeout_s, for the other ranks' last reports to arrive
+REPORT_MARGIN_S = 1.0  # a stopped worker reports this long before stop_timeout_s ends (a quarter of it at most)
 
 
 @dataclass
@@ -627,9 +652,13 @@ def share_market_data(run) -> tuple[Any, dict | None]:
     data = run.env.extra.pop("data", None)
     if data is None:
         return None, None
+    cache = run.env.extra["cache"]
+    if not (Path(cache["path"]) / "meta.json").is_file():  # built by the checks, which write nothing
+        started = time.perf_counter()
+        market.write_cache(data, cache["path"])
+        cache["seconds"] += time.perf_counter() - started
     shared, specs = market.share_market_data(data)
     run.defer(shared.unlink_all)
-    cache = run.env.extra["cache"]
     run.log.info("market cache %s: %d items x %d steps (%s), %s in %.2f s, shared as %s", cache["path"],
                  data.num_items, data.num_steps, format_bytes(data.nbytes), "built" if cache["built"] else "loaded",
                  cache["seconds"], specs["prices"].name)
@@ -660,6 +689,12 @@ def member_workers(run, args_for, name: str = "worker") -> Supervisor:
         on_give_up="worker", logger=run.log))
 
 
+def worker_devices(cfg) -> list[str]:
+    """Each of this rank's workers' device: worker i on cuda:(i mod G) with --gpu-strategy round-robin (G =
+    --num-gpus or every visible GPU), all on one GPU with single or an explicit cuda:N, CPU without CUDA."""
+    return assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+
+
 def population(run):
     """The trainer of every rank: the coordinator on rank 0 (and on one machine), a node of members elsewhere."""
     return Population(run) if run.is_main else PopulationNode(run)
@@ -677,7 +712,7 @@ class Population:
         members = cfg.num_workers * run.dist.world_size
         self.status = [WorkerStatus(rank=m // cfg.num_workers, hyper=h)
                        for m, h in enumerate(worker_hyperparams(cfg, members, cfg.seed))]
-        self.devices = assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+        self.devices = worker_devices(cfg)
         self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         # The target is each worker's own (independent agents are judged one by one), never the population's.
         self.target, run.target_return = run.target_return, None
@@ -767,8 +802,11 @@ class Population:
             self.run.log.info("stopping (%s): every worker finishes its rollout and saves (up to %.0f s)", reason,
                               cfg.stop_timeout_s)
             # The time budget ends training as planned (final checkpoints, evaluation); a signal
-            # only interrupts it (checkpoints to continue from).
-            order = {"evaluate": not self.run.graceful.requested}
+            # only interrupts it (checkpoints to continue from). Workers report by report_by (wall clock,
+            # which other nodes share too), a moment before the end of stop_timeout_s: an evaluation
+            # still running then ends with the episodes it finished rather than being killed.
+            order = {"evaluate": not self.run.graceful.requested,
+                     "report_by": time.time() + cfg.stop_timeout_s - min(REPORT_MARGIN_S, cfg.stop_timeout_s / 4)}
             self.supervisor.broadcast("stop", order)
             if self.remote is not None:
                 self.remote.stop_members(order, cfg.stop_timeout_s)
@@ -787,6 +825,10 @@ class Population:
 
     def handle(self, index: int, kind: str, payload: Any) -> None:
         status, log = self.status[index], self.run.log
+        if kind != "pbt_ready":
+            # A worker waits for its PBT answer from its pbt_ready until it says anything else: then it has
+            # stopped waiting (its wait timed out), finished, died or been lost, and takes no part in a round.
+            self.pbt_waiting.pop(index, None)
         if kind == "ready":
             status.step, status.hyper = payload["step"], payload["hyper"]
             log.info("worker %d running (pid %d) from step %d%s", index, payload["pid"], payload["step"],
@@ -796,16 +838,18 @@ class Population:
         elif kind == "pbt_ready":
             status.pbt_score, status.pbt_path, status.hyper = payload["score"], payload["path"], payload["hyper"]
             self.pbt_waiting[index] = payload["step"]
+        elif kind == "pbt_copied":
+            self.record_pbt_copy(index, payload)
         elif kind == "done":
             status.result = payload
             status.step, status.recent_return, status.sps = payload["step"], payload["recent_return"], payload["sps"]
             log.info("worker %d done at step %d (%s)", index, payload["step"],
                      "finished" if payload["finished"] else "stopped")
+            self.check_evaluation(index, payload)
         elif kind == "diverged":
             status.diverged = payload["reason"]
             log.error("worker %d diverged: %s; it is stopped, the others go on", index, payload["reason"])
         elif kind == "restarted":
-            self.pbt_waiting.pop(index, None)  # the new process goes on from its checkpoint, not from the wait
             status.restarts += 1
             status.failures.append(payload.splitlines()[-1])
             latest = self.newest_checkpoint(index)
@@ -814,7 +858,6 @@ class Population:
             status.gave_up = True
             status.failures.append(payload.splitlines()[-1])
         elif kind == "lost":
-            self.pbt_waiting.pop(index, None)
             status.lost = payload
             status.failures.append(payload)
             latest = self.newest_checkpoint(index)
@@ -823,6 +866,19 @@ class Population:
         else:
             raise ValueError(f"worker {index} sent an unknown message {kind!r}")
         self.pbt_round()
+
+    def check_evaluation(self, index: int, result: dict) -> None:
+        """Say so where a finished worker's evaluation ended at the stop deadline (fewer episodes, or none)."""
+        wanted, evaluation = self.run.cfg.eval_episodes, result.get("eval")
+        if not result["finished"] or (evaluation is not None and evaluation["episodes"] >= wanted):
+            return
+        if evaluation is None:
+            note = "no evaluation episode ended before the stop deadline (stop_timeout_s); not ranked"
+            self.status[index].failures.append(note)
+        else:
+            note = (f"evaluation ended at the stop deadline (stop_timeout_s) after {evaluation['episodes']} of "
+                    f"{wanted} episodes (leaderboard eval_episodes)")
+        self.run.log.warning("worker %d: %s", index, note)
 
     def record(self, index: int, report: dict) -> None:
         """One worker's update: the population's counters, one metrics.csv row, the progress display."""
@@ -853,7 +909,11 @@ class Population:
                               f"/{budget}" if budget else "", s.recent_return, state)
 
     def pbt_round(self) -> None:
-        """Synchronous PBT: once every running worker waits at a PBT step, the weakest copy the strongest."""
+        """Synchronous PBT: once every running worker waits at a PBT step, the weakest copy the strongest.
+        Each answer names the step it answers, so that a worker that stopped waiting can tell it is late."""
+        if self.run.stop_reason() is not None:
+            self.pbt_waiting = {}  # the stop order ends every wait; a copy now would be lost with the stop
+            return
         if not self.pbt_waiting or any(s.active and i not in self.pbt_waiting for i, s in enumerate(self.status)):
             return
         cfg, waiting = self.run.cfg, dict(sorted(self.pbt_waiting.items()))
@@ -862,17 +922,23 @@ class Population:
         scores = [self.status[i].pbt_score for i in workers]
         for position, index in enumerate(workers):
             donor = pbt_donor(scores, position, cfg.pbt_fraction, self.pbt_rng)
-            answer = None if donor is None else self.pbt_copy(index, workers[donor], waiting[index])
+            answer = {"step": waiting[index], **(self.pbt_offer(workers[donor]) if donor is not None else {})}
             # A worker on another node gets the donor's checkpoint with the answer (the bytes rank 0 holds).
-            self.tell(index, "pbt", answer, {"path": Path(answer["path"])} if answer else None)
+            self.tell(index, "pbt", answer, {"path": Path(answer["path"])} if "path" in answer else None)
 
-    def pbt_copy(self, index: int, donor: int, step: int) -> dict:
-        status, strong = self.status[index], self.status[donor]
-        status.hyper = perturb(strong.hyper, self.run.cfg.pbt_perturb, self.pbt_rng)
-        self.pbt_events.append({"step": step, "worker": index, "copied": donor, "hyper": status.hyper})
+    def pbt_offer(self, donor: int) -> dict:
+        """What a copier gets: the donor's checkpoint of this step and its hyperparameters, perturbed (explore)."""
+        strong = self.status[donor]
+        return {"donor": donor, "donor_score": strong.pbt_score, "path": strong.pbt_path,
+                "hyper": perturb(strong.hyper, self.run.cfg.pbt_perturb, self.pbt_rng)}
+
+    def record_pbt_copy(self, index: int, copy: dict) -> None:
+        """A worker made the copy it was offered: its new hyperparameters, one more PBT event."""
+        self.status[index].hyper = copy["hyper"]
+        self.pbt_events.append({"step": copy["step"], "worker": index, "copied": copy["copied"],
+                                "hyper": copy["hyper"]})
         self.run.log.info("PBT: worker %d (score %.3f) copies worker %d (score %.3f), new hyperparameters %s",
-                          index, status.pbt_score, donor, strong.pbt_score, status.hyper)
-        return {"donor": donor, "donor_score": strong.pbt_score, "path": strong.pbt_path, "hyper": status.hyper}
+                          index, copy["score"], copy["copied"], copy["donor_score"], copy["hyper"])
 
     def save(self) -> None:
         """``checkpoints/population.pt``: the population's counters (the workers save their own agents)."""
@@ -961,7 +1027,7 @@ class PopulationNode:
         self.data, self.data_specs = share_market_data(run)
         self.first = run.dist.rank * cfg.num_workers
         self.hyper = worker_hyperparams(cfg, cfg.num_workers * run.dist.world_size, cfg.seed)
-        self.devices = assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+        self.devices = worker_devices(cfg)
         self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         self.target, run.target_return = run.target_return, None
         run.counters.update(global_step=0, episodes=0, updates=0)  # this node's own, for its last log lines
@@ -1083,14 +1149,16 @@ WORKER_CHECKPOINT = re.compile(r"worker_\d+_(step_\d+|final)\.pt")
 
 
 def probe(cfg) -> EnvInfo:
-    """The env, checked before anything is written; Market-v0 loads (or builds) its cache here, once."""
+    """The env, checked before anything is written; Market-v0 loads its cache here, once, or builds the
+    history in memory (share_market_data writes the cache once the run goes ahead: --validate-only writes
+    nothing)."""
     if WORKER_CHECKPOINT.fullmatch(Path(cfg.resume or "").name) and Path(cfg.resume).is_file():
         cfg.resume = str(checkpoint_run_dir(Path(cfg.resume)))  # one worker's file: continue its population
     if not cfg.is_market:
         return probe_env(cfg.env_id, env_kwargs_of(MODE, cfg), ("Discrete", "Box"), cfg.seed)
     try:
         data, info = market.load_market_data(cfg.data_source, cfg.cache_dir, cfg.num_items, cfg.history_steps,
-                                             cfg.data_seed)
+                                             cfg.data_seed, write=False)
         items = [int(i) for i in data.top_items(cfg.top_n_items)]
         for split in ("eval", "train"):  # fails early if the history is too short for a split
             env = market.MarketVectorEnv(1, **split_kwargs(env_kwargs_of(MODE, cfg), split, data, items))

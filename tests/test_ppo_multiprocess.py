@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -305,3 +306,223 @@ def test_a_pbt_copy_trains_with_its_own_perturbed_learning_rate(tmp_path):
             assert float(after[0]["learning_rate"]) == pytest.approx(event["hyper"]["learning_rate"]), event
             checked += 1
     assert checked, f"no update followed a PBT copy: {events}"
+
+
+# --------------------------------------------------------------------------- PBT, devices, stop deadline
+
+class ScriptedLink:
+    """A worker's link to a scripted coordinator: ``answers`` come out of receive() in order (None stands for
+    a wait that times out); what the worker sends is kept in ``sent``."""
+
+    def __init__(self, answers=()):
+        self.index, self.stop_requested, self.sent, self.answers = 0, False, [], list(answers)
+
+    def send(self, kind, payload=None):
+        self.sent.append((kind, payload))
+
+    def beat(self):
+        pass
+
+    def receive(self, timeout=None):
+        message = self.answers.pop(0) if self.answers else None
+        self.stop_requested |= message is not None and message[0] == "stop"
+        return message
+
+    def commands(self):
+        while self.answers and self.answers[0] is not None:
+            yield self.receive(0.0)
+
+    def kinds(self):
+        return [kind for kind, _ in self.sent]
+
+
+def tiny_agent(tmp_path, link, member=0, **settings):
+    """One population worker's agent in this process, on CartPole with 2 envs x 16 steps per rollout."""
+    import logging
+
+    from common.run import config_dict
+
+    cfg = tpm.Config(env_id="CartPole-v1", num_workers=2, num_envs_per_worker=2, n_steps=16, batch_size=16,
+                     n_epochs=1, device="cpu", target_return=None, learning_rate=[1e-3], **settings)
+    for sub in ("checkpoints", "logs"):
+        (tmp_path / sub).mkdir(exist_ok=True)
+    setup = tpm.WorkerSetup(member, config_dict(cfg), {}, str(tmp_path), None, None, "cpu", 1,
+                            tpm.worker_hyperparams(cfg, 2, cfg.seed)[member], None, None)
+    return tpm.Agent(link, setup, None, logging.getLogger(f"prl.test.worker{member}"))
+
+
+def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_hyperparameters(tmp_path):
+    """The exploit/explore step as documented: the copier loads the donor's checkpoint of that step (weights,
+    optimizer state, normalization statistics), takes the donor's hyperparameters each scaled by 1 +- pbt_perturb
+    (gamma and gae_lambda on their 1 - x scale, capped at 0.9999) and empties its window of recent returns."""
+    donor = tiny_agent(tmp_path, ScriptedLink(), member=1, norm_obs=True, gamma=[0.9, 0.9999])
+    donor.collector.next_obs = donor.envs.reset()
+    donor.collector.collect(16)
+    donor.update()
+    donor_path = donor.save("worker_1_step_32.pt")
+    offers = [tpm.perturb(donor.hyper, 0.2, np.random.default_rng(seed)) for seed in range(8)]
+    for name, value in donor.hyper.items():  # explore: 1 -/+ 20 % (discounts on their 1 - x scale, capped)
+        if name in ("gamma", "gae_lambda"):
+            allowed = {round(min(0.9999, 1 - (1 - value) * f), 6) for f in (0.8, 1.2)}
+        else:
+            allowed = {float(f"{value * f:.6g}") for f in (0.8, 1.2)}
+        assert {offer[name] for offer in offers} == allowed, (name, value)  # both directions, nothing else
+    assert donor.hyper["gamma"] == 0.9999 and {offer["gamma"] for offer in offers} == {0.9999, 0.99988}  # capped
+    offer = offers[0]
+    link = ScriptedLink([("pbt", {"step": 32, "donor": 1, "donor_score": 20.0, "path": str(donor_path),
+                                  "hyper": offer})])
+    copier = tiny_agent(tmp_path, link, member=0, norm_obs=True, gamma=[0.9, 0.9999])
+    copier.counters["global_step"] = 32
+    copier.recent.extend([5.0, 6.0])
+    copier.pbt_step(None)
+    assert link.kinds() == ["pbt_ready", "pbt_copied"]
+    for mine, theirs in zip(copier.learner.state_dict().values(), donor.learner.state_dict().values()):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(copier.optimizer.state_dict()["state"][0]["exp_avg"],
+                       donor.optimizer.state_dict()["state"][0]["exp_avg"])
+    mine, theirs = copier.normalizer.state_dict()["obs_norm"], donor.normalizer.state_dict()["obs_norm"]
+    assert theirs["count"] > 1 and all(np.array_equal(mine[k], theirs[k]) for k in theirs)
+    assert copier.hyper == offer and copier.normalizer.gamma == offer["gamma"] and offer["gamma"] <= 0.9999
+    assert len(copier.recent) == 0 and copier.counters["pbt_exploits"] == 1
+    assert link.sent[-1][1] == {"step": 32, "copied": 1, "score": 5.5, "donor_score": 20.0, "hyper": offer}
+    donor.envs.close()
+    copier.envs.close()
+
+
+def test_a_late_pbt_answer_changes_nothing_in_the_worker(tmp_path):
+    """A worker whose PBT wait timed out trains on; the answer that comes later (in its training loop, or
+    during its next PBT wait) is out of date and skipped; its own step's answer is the one that counts."""
+    stale = ("pbt", {"step": 32, "donor": 1, "donor_score": 9.0, "path": str(tmp_path / "nowhere.pt"),
+                     "hyper": {"learning_rate": 1.0}})
+    link = ScriptedLink([None, stale, stale, ("pbt", {"step": 64})])  # wait at 32 times out; 64's answer: no copy
+    agent = tiny_agent(tmp_path, link, pbt_interval=32, max_steps_per_worker=96, worker_timeout_s=0.01)
+    hyper = dict(agent.hyper)
+    assert agent.train()
+    assert link.kinds() == ["update", "pbt_ready", "update", "pbt_ready", "update"] and not link.answers
+    assert agent.hyper == hyper and agent.counters["pbt_exploits"] == 0
+    agent.envs.close()
+
+
+class StubRun:
+    """What Population.handle needs of a run, for the coordinator's PBT rounds alone."""
+
+    def __init__(self, cfg):
+        import logging
+
+        self.cfg, self.log, self.stopping = cfg, logging.getLogger("prl.test.coordinator"), None
+        self.counters = {"global_step": 0, "updates": 0}
+        self.budget = SimpleNamespace(mark_first_step=lambda started: None)
+
+    def stop_reason(self):
+        return self.stopping
+
+    def record_episodes(self, episodes):
+        pass
+
+    def write_metrics(self, row, shown):
+        pass
+
+
+def coordinator(workers: int) -> tuple:
+    population = tpm.Population.__new__(tpm.Population)  # the coordinator's bookkeeping without processes
+    population.run = StubRun(tpm.Config(num_workers=workers, pbt_interval=1024, pbt_fraction=0.34))
+    population.status = [tpm.WorkerStatus(hyper={"learning_rate": 1e-3 * (i + 1)}) for i in range(workers)]
+    population.pbt_waiting, population.pbt_events = {}, []
+    population.pbt_rng = np.random.default_rng(0)
+    told = []
+    population.tell = lambda index, kind, payload, files=None: told.append((index, payload))
+    return population, told
+
+
+def ready(population, index, step, score):
+    population.handle(index, "pbt_ready", {"step": step, "score": score, "path": f"w{index}_{step}.pt",
+                                           "hyper": population.status[index].hyper})
+
+
+def test_a_late_pbt_round_skips_workers_that_stopped_waiting_finished_or_are_stopping():
+    population, told = coordinator(3)
+    ready(population, 0, 1024, 5.0)
+    population.handle(0, "update", {"step": 1536, "steps": 512, "episodes": [], "stats": {}, "started": 0.0,
+                                    "learning_rate": 1e-3, "recent_return": 5.0, "sps": 1.0, "cpu_sps": 1.0,
+                                    "checkpoint": ""})  # its wait timed out: it trains on, and waits no more
+    assert population.pbt_waiting == {}
+    population.handle(0, "done", {"step": 2048, "recent_return": 5.0, "sps": 1.0, "finished": True,
+                                  "eval": {"episodes": 32, "mean_return": 5.0}})
+    ready(population, 1, 1024, 1.0)
+    ready(population, 2, 1024, 9.0)  # every worker still training waits: the round, without the finished one
+    assert [index for index, _ in told] == [1, 2] and all(answer["step"] == 1024 for _, answer in told)
+    offer = told[0][1]
+    assert offer["donor"] == 2 and offer["path"] == "w2_1024.pt" and "donor" not in told[1][1]
+    assert population.pbt_events == [] and population.status[1].hyper == {"learning_rate": 2e-3}  # not yet made
+    population.handle(1, "pbt_copied", {"step": 1024, "copied": 2, "score": 1.0, "donor_score": 9.0,
+                                        "hyper": offer["hyper"]})
+    assert population.pbt_events == [{"step": 1024, "worker": 1, "copied": 2, "hyper": offer["hyper"]}]
+    assert population.status[1].hyper == offer["hyper"]
+    told.clear()
+    population.run.stopping = "duration 0.1 h reached"  # stopping: the stop order ends the waits, no round
+    ready(population, 1, 2048, 1.0)
+    ready(population, 2, 2048, 9.0)
+    assert told == [] and population.pbt_waiting == {}
+
+
+@pytest.fixture
+def three_gpus(monkeypatch):
+    """A machine with 3 CUDA GPUs, as far as device placement can tell (no GPU is touched)."""
+    from common import system
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with system.assumed_machine({"gpus": [{"name": f"assumed GPU {i}"} for i in range(3)]}):
+        yield
+
+
+def test_workers_are_placed_on_the_documented_gpus(three_gpus, capsys):
+    """--gpu-strategy round-robin puts worker i on cuda:(i mod G), G = --num-gpus or every GPU; single or
+    an explicit cuda:N puts every worker on one GPU; --device cpu keeps them all on the CPU."""
+    from common.config import parse_args
+    from common.run import FlatConfig
+
+    def devices(*flags):
+        groups, _ = parse_args(tpm.CONFIG_GROUPS, ["--num-workers", "5", *flags], exit_on_error=False)
+        return tpm.worker_devices(FlatConfig(groups))
+
+    assert devices() == devices("--device", "cuda") == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
+    assert devices("--num-gpus", "2") == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert devices("--gpu-strategy", "single") == ["cuda:0"] * 5
+    assert devices("--device", "cuda:2") == devices("--device", "cuda:2", "--gpu-strategy", "single") == ["cuda:2"] * 5
+    assert devices("--device", "cpu") == ["cpu"] * 5
+    assert "--num-gpus 4: this machine has 3 CUDA GPU(s)" in fails(["--num-gpus", "4", "--validate-only"], capsys)
+    assert "--device 'cuda:3': this machine has 3 CUDA GPU(s)" in fails(["--device", "cuda:3"], capsys)
+
+
+def test_validate_only_writes_nothing_not_even_the_market_cache(tmp_path, monkeypatch, capsys):
+    """--validate-only checks the market history (built in memory) and writes nothing, even under relative
+    default paths; a bad one is still refused."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--num-items", "5", "--history-steps", "800", "--top-n-items", "3", "--episode-length", "32"]
+    assert tpm.main([*small, "--validate-only"]) == 0
+    assert "top_n_items: 3" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # no runs/cache/market, no run directory
+    assert "is too short for window 16 + episode_length 256" in fails([*small, "--episode-length", "256",
+                                                                       "--validate-only"], capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_final_evaluation_that_outlasts_stop_timeout_ends_in_time_and_is_reported(tmp_path):
+    """At the duration's end the workers evaluate themselves; an evaluation that would outlast stop_timeout_s
+    ends a moment before it with the episodes it finished (leaderboard eval_episodes, a line in main.log),
+    instead of the worker being killed. The run writes the market cache the checks only built in memory."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    summary = tpm.train(num_items=5, history_steps=800, top_n_items=3, episode_length=32, cache_dir=str(cache),
+                        num_workers=2, num_envs_per_worker=4, n_steps=32, batch_size=64, n_epochs=1,
+                        max_steps_per_worker=None, duration=0.0025, stop_timeout_s=3.0, eval_episodes=10**7,
+                        eval_random_baseline=False, tensorboard=False, output_dir=str(out))
+    assert summary["exit_code"] == 0 and summary["stop_reason"].startswith("duration"), summary
+    board = read_csv(out / "leaderboard.csv")
+    assert sorted(r["worker"] for r in board) == ["0", "1"]
+    assert all(0 < int(r["eval_episodes"]) < 10**7 for r in board), board
+    log = (out / "logs" / "main.log").read_text()
+    assert log.count("evaluation ended at the stop deadline (stop_timeout_s) after") == 2, log[-3000:]
+    assert "did not stop within" not in log
+    assert summary["cache"]["built"] and (Path(summary["cache"]["path"]) / "meta.json").is_file()

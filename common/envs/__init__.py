@@ -172,8 +172,8 @@ def _is_same_step(spec) -> bool:
 
 
 def play_episodes(vec: VecEnv, act: Callable[[np.ndarray, np.ndarray | None], np.ndarray], num_episodes: int,
-                  max_length: int = 0, record: bool = False,
-                  seed: int | None = None) -> tuple[list[dict[str, Any]], int]:
+                  max_length: int = 0, record: bool = False, seed: int | None = None,
+                  stop: Callable[[], bool] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Play exactly ``num_episodes`` whole episodes on ``vec`` with ``act(obs, action_masks) -> actions``.
 
     Every environment is reset first (with ``seed`` when given, for new games every call); an
@@ -183,7 +183,8 @@ def play_episodes(vec: VecEnv, act: Callable[[np.ndarray, np.ndarray | None], np
     episode has ``return``, ``length``, ``terminated`` and the env's numeric episode info
     (coverage, net worth ...); with ``record`` also ``obs`` (T+1, the last one final),
     ``actions``, ``rewards`` and, for envs with ``info["action_mask"]``, ``masks`` (T+1).
-    Returns (episodes, environment steps taken).
+    ``stop()``, asked before every step, ends the call early with the whole episodes finished so far
+    (a deadline). Returns (episodes, environment steps taken).
     """
     if seed is not None:
         vec.seed = seed
@@ -196,7 +197,7 @@ def play_episodes(vec: VecEnv, act: Callable[[np.ndarray, np.ndarray | None], np
     obs_hist, mask_hist, act_hist, rew_hist = [], [], [], []
     finished: list[tuple] = []  # (env, first step, last step, final obs, final mask, terminated, info)
     t = 0
-    while len(finished) < num_episodes:
+    while len(finished) < num_episodes and not (stop is not None and stop()):
         actions = act(obs, masks)
         result = vec.step(actions)
         if record:
@@ -223,6 +224,8 @@ def play_episodes(vec: VecEnv, act: Callable[[np.ndarray, np.ndarray | None], np
                 counted += 1
         obs, masks = result.obs, next_masks
         t += 1
+    if not finished:
+        return [], t * n
     rewards = np.stack(rew_hist)
     episodes = [_episode(rewards, obs_hist, mask_hist, act_hist, record, *item) for item in finished]
     return episodes, t * n

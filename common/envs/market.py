@@ -294,11 +294,13 @@ def read_cache(directory: str | Path) -> MarketData:
 
 
 def load_market_data(data_source: str = "synthetic", cache_dir: str | Path = DEFAULT_CACHE_DIR,
-                     num_items: int = 200, history_steps: int = 20_000, data_seed: int = 0
+                     num_items: int = 200, history_steps: int = 20_000, data_seed: int = 0, write: bool = True
                      ) -> tuple[MarketData, dict[str, Any]]:
     """Load the cache for these settings, building it first if it does not exist.
 
-    Returns the data (memory-mapped from the cache files) and ``{"path", "built", "seconds"}``.
+    Returns the data (memory-mapped from the cache files) and ``{"path", "built", "seconds"}``. With
+    ``write=False`` a cache that does not exist yet is built in memory only (checked all the same) and
+    nothing is written: a caller that goes on writes it with :func:`write_cache` (``info["path"]``).
     """
     started = time.perf_counter()
     directory = cache_path(cache_dir, data_source, num_items, history_steps, data_seed)
@@ -309,6 +311,8 @@ def load_market_data(data_source: str = "synthetic", cache_dir: str | Path = DEF
         else:
             data = read_market_csv(data_source)
         check_arrays(data.prices, data.volumes, data.source)
+        if not write:
+            return data, {"path": str(directory), "built": True, "seconds": time.perf_counter() - started}
         write_cache(data, directory)
         built = True
     data = read_cache(directory)
