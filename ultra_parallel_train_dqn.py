@@ -448,9 +448,12 @@ class UltraTrainer:
         replay.seed(cfg.seed)
         replay_file = run.run_dir / "checkpoints" / "replay.npz"
         if run.resumed is not None and cfg.save_replay and replay_file.exists():
-            with np.load(replay_file) as saved:
-                replay.load_state(dict(saved))
-            run.log.info("replay buffer restored: %d transitions", len(replay))
+            try:
+                with np.load(replay_file) as saved:
+                    replay.load_state(dict(saved))
+                run.log.info("replay buffer restored: %d transitions", len(replay))
+            except ValueError as err:  # the run changed its buffer (size, actors): it refills, as Ape-X would
+                run.log.warning("replay buffer not restored from %s, %s; it fills again", replay_file, err)
         return replay
 
     # -- the loop

@@ -329,9 +329,19 @@ class ReplayBuffer:
         return {name: np.array(value) for name, value in self.arrays.items()}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        for name, value in state.items():
-            if name in self.arrays and self.arrays[name].shape == value.shape:
-                self.arrays[name][...] = value
+        """Restore what :meth:`state` saved, all of it or (ValueError) nothing: a buffer of another layout
+        (capacity, writers, observation shape or dtype) would mix saved cursors with empty slots."""
+        def kind(array: np.ndarray) -> str:
+            return f"{array.dtype}{list(array.shape)}"
+
+        differs = [f"{name} {kind(value)}, this buffer's {kind(self.arrays[name])}" for name, value in state.items()
+                   if name in self.arrays and kind(value) != kind(self.arrays[name])]
+        missing = sorted(set(self.arrays) - set(state))
+        if differs or missing:
+            what = "; ".join(differs) or "no " + ", ".join(missing)
+            raise ValueError(f"saved by a buffer of another layout ({what})")
+        for name in self.arrays:
+            self.arrays[name][...] = state[name]
         self.arrays["seq"][self.arrays["seq"] % 2 == 1] = 0  # a slot half-written at save time stays invisible
         self._seen[:] = 0
         self.sync()

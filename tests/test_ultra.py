@@ -204,3 +204,75 @@ def test_message_fed_replay_prioritized_bf16_grid_coverage(tmp_path):
     assert int(rows[-1]["buffer_size"]) == 4000  # the learner wrote what the actors sent
     tags = tensorboard_tags(tmp_path / "run" / "tb")
     assert {"charts/episodic_return", "charts/SPS", "losses/td_loss", "prl/coverage"} <= tags, sorted(tags)
+
+
+# ----------------------------------------------------------------------------- promises of the docs
+
+TINY = dict(env_id="CartPole-v1", num_workers=2, num_envs_per_worker=4, hidden_sizes=[64, 64], batch_size=64,
+            n_step=1, total_episodes=None, target_return=None, device="cpu", tensorboard=False)
+
+
+@pytest.mark.timeout(90)
+def test_the_rate_limiter_holds_the_replay_ratio(tmp_path):
+    """Async with --rate-limit: the learner keeps to replay_ratio updates per inserted transition (it waits
+    beyond it) and the actors stop once they are rate_limit_slack env steps ahead of what the learner's
+    updates allow; so at every metrics row, and at the end, updates per env step stay at replay_ratio."""
+    ratio, starts, slack = 0.25, 200, 100
+    vector_step = TINY["num_workers"] * TINY["num_envs_per_worker"]  # actors that passed the check take one more
+    summary = ultra().train(**TINY, replay_ratio=ratio, learning_starts=starts, rate_limit_slack=slack,
+                            total_timesteps=3000, buffer_size=10_000, metrics_interval_s=0.02,
+                            output_dir=str(tmp_path / "run"))
+    assert summary["exit_code"] == 0 and summary["global_step"] >= 3000, summary
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert len(rows) >= 5
+    for row in rows:
+        steps, updates = int(row["global_step"]), int(row["learner_updates"])
+        assert steps <= starts + slack + updates / ratio + vector_step, row  # actors held by the limiter
+        assert updates <= ratio * (steps + vector_step) + 1, row  # the learner held by the actors
+    at_limit = [int(r["learner_updates"]) > 0 and int(r["global_step"]) >= starts + slack - vector_step
+                + int(r["learner_updates"]) / ratio for r in rows]
+    assert any(at_limit), "the actors never reached the limit: this run did not exercise the limiter"
+    past_the_start = summary["global_step"] - starts - slack  # the steps the limiter paces
+    assert 0.95 * ratio <= summary["updates"] / past_the_start <= 1.05 * ratio, summary
+
+
+@pytest.mark.timeout(120)
+def test_save_replay_then_resume_brings_the_replay_back(tmp_path):
+    """--save-replay writes checkpoints/replay.npz with each checkpoint; --resume with --save-replay loads it,
+    so the resumed learner samples the transitions of the first invocation and its actors write after them."""
+    out = tmp_path / "run"
+    settings = dict(TINY, save_replay=True, buffer_size=8_000, learning_starts=300, output_dir=str(out))
+    first = ultra().train(**settings, total_timesteps=1500)
+    assert first["exit_code"] == 0, first
+    with np.load(out / "checkpoints" / "replay.npz") as saved:
+        before = dict(saved)
+    kept = int(np.minimum(before["cursors"], 4000).sum())
+    assert kept >= 1500 and (before["seq"][before["seq"] > 0] % 2 == 0).all()
+    second = ultra().train(**settings, total_timesteps=2500, resume="auto")
+    assert second["exit_code"] == 0 and second["global_step"] >= 2500, second
+    assert f"replay buffer restored: {kept} transitions" in (out / "logs" / "main.log").read_text()
+    with np.load(out / "checkpoints" / "replay.npz") as saved:
+        after = dict(saved)
+    assert (after["cursors"] > before["cursors"]).all()  # the actors went on from the saved cursors
+    for writer, cursor in enumerate(before["cursors"]):  # and left the first invocation's transitions as they were
+        first_slots = slice(writer * 4000, writer * 4000 + int(cursor))
+        for name in ("obs", "next_obs", "actions", "rewards", "dones"):
+            assert np.array_equal(after[name][first_slots], before[name][first_slots]), name
+
+
+def test_a_saved_replay_of_another_layout_is_not_loaded_at_all():
+    from common.replay_shm import ReplayLayout, make_replay
+
+    saved = make_replay(ReplayLayout(64, 2, (4,)), "queue")
+    saved.receive(0, {"obs": np.ones((8, 4), np.float32), "next_obs": np.ones((8, 4), np.float32),
+                      "actions": np.zeros(8, np.int64), "rewards": np.ones(8, np.float32),
+                      "dones": np.zeros(8, np.float32), "discounts": np.full(8, 0.99, np.float32)})
+    state = saved.state()
+    for other in (ReplayLayout(128, 2, (4,)), ReplayLayout(64, 4, (4,)), ReplayLayout(64, 2, (4,), "uint8")):
+        fresh = make_replay(other, "queue")
+        with pytest.raises(ValueError, match="another layout"):
+            fresh.load_state(state)
+        assert len(fresh) == 0 and fresh.arrays["cursors"].sum() == 0  # nothing half-restored
+    same = make_replay(ReplayLayout(64, 2, (4,)), "queue")
+    same.load_state(state)
+    assert len(same) == 8 and np.array_equal(same.arrays["obs"], state["obs"])
