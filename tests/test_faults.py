@@ -383,3 +383,14 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch,
     assert status == 2, err
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "never").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_validate_only_writes_nothing(tmp_path, monkeypatch, capsys, script):
+    """--validate-only checks everything a run would (the script's default env too: the market history, the
+    self-play game, the grid) and leaves the directory it ran in as it was."""
+    monkeypatch.chdir(tmp_path)  # default paths (runs/..., the market cache) are relative to it
+    for argv in (["--validate-only"], [*script.tiny, "--validate-only"]):
+        assert load_main(script)(argv) == 0, capsys.readouterr().err
+        assert "env_id:" in capsys.readouterr().out
+        assert list(tmp_path.iterdir()) == [], argv
