@@ -6,12 +6,18 @@ memory. The main process then computes GAE, runs the PPO update and publishes th
 parameters through shared memory, and the next rollout starts. ``--num-workers 0`` runs
 the very same rollout code in the main process: the sequential baseline.
 
+``--async-training`` overlaps the two: the workers collect rollout k+1 while the learner
+runs update k on rollout k, with the parameters the learner had when rollout k came in
+(one update behind, as Sample Factory's APPO and IMPALA). The PPO ratio is taken against
+the log-probabilities the workers stored, so the lag is accounted for.
+
 Started by ``torchrun``, every rank does the above with its own workers and the
 gradients are averaged across ranks before every optimizer step (DD-PPO).
 
     python train_parallel_timed.py                       # LunarLander-v3 until solved
     python train_parallel_timed.py --config configs/cartpole_fast.yaml
     python train_parallel_timed.py --duration 1.0 --num-workers 4 --resume auto
+    python train_parallel_timed.py --async-training      # collect while learning
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Config(RunConfig, NormalizationSettings):
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
+    async_training: bool = False  # workers collect the next rollout (one update behind) while the learner updates
 
     MIN_WORKERS = 0
 
@@ -78,6 +85,8 @@ class Config(RunConfig, NormalizationSettings):
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.torch_threads >= 0, "torch_threads", self.torch_threads, "must be >= 0 (0 = all cores)")
         require(self.activation in ("tanh", "relu"), "activation", self.activation, "must be tanh or relu")
+        require(not (self.async_training and self.num_workers == 0), "async_training", self.async_training,
+                "needs num_workers >= 1 (with 0 workers the rollout runs in the learner's own process)")
 
     @property
     def total_envs(self) -> int:
@@ -87,15 +96,43 @@ class Config(RunConfig, NormalizationSettings):
 # --------------------------------------------------------------------------- rollout
 # The same function fills the rollout in a worker process and, with 0 workers, in the
 # main process, so the sequential baseline measures exactly the same code.
+#
+# Shared memory holds the rollout (two with --async-training: the workers fill one while the
+# learner learns from the other) and the snapshot the learner publishes for every rollout: the
+# parameters, the normalization statistics and a version number. The learner writes the
+# snapshot only while every worker is between rollouts (it holds all of one rollout and has not
+# asked for the next yet), so one copy of the snapshot is enough, in either form.
 
 def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, num_params: int,
                    norm_size: int) -> None:
-    """Allocate the shared rollout, ``[n_steps, envs, ...]`` (each worker owns a column slice), and
-    what the learner publishes before every rollout: the parameters and the normalization statistics."""
-    for key, (shape, dtype) in ppo.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space).items():
-        arrays.create(key, shape, dtype)
+    """Allocate the shared rollouts, ``rollout<slot>_<key>`` of ``[n_steps, envs, ...]`` (each worker
+    owns a column slice), and the snapshot: ``params``, ``norm`` and ``snapshot_version``."""
+    layout = ppo.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
+    for slot in range(2 if cfg.async_training else 1):
+        for key, (shape, dtype) in layout.items():
+            arrays.create(f"rollout{slot}_{key}", shape, dtype)
     arrays.create("params", (num_params,), np.float32)
     arrays.create("norm", (norm_size,), np.float64)
+    arrays.create("snapshot_version", (1,), np.int64)
+
+
+def split_rollouts(shared: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The rollouts among the shared arrays, in slot order, each as ``{key: array}``."""
+    rollouts: list[dict[str, np.ndarray]] = []
+    while f"rollout{len(rollouts)}_obs" in shared:
+        prefix = f"rollout{len(rollouts)}_"
+        rollouts.append({name[len(prefix):]: array for name, array in shared.items() if name.startswith(prefix)})
+    return rollouts
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the learner published for one rollout: its version and the normalization statistics
+    (flat, as ``Normalizer.publish`` writes them), with their digest."""
+
+    version: int
+    norm: np.ndarray
+    digest: str
 
 
 def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, seed: int, agent=None):
@@ -106,14 +143,19 @@ def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int
     return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces), seed)
 
 
-def collect_published(collector, buf: dict[str, np.ndarray], n_steps: int,
-                      read_params: bool = True) -> tuple[list[dict], str]:
-    """One rollout with the parameters and normalization statistics the learner published; also
-    returns a digest of the statistics used, which the learner checks against its own."""
+def collect_published(collector, shared: dict[str, np.ndarray], rollout: dict[str, np.ndarray], n_steps: int,
+                      read_params: bool = True) -> tuple[list[dict], dict]:
+    """One rollout into ``rollout`` with the snapshot the learner published. Also returns what the learner
+    checks (the snapshot's version, a digest of the statistics used) and when the rollout ran."""
+    version = int(shared["snapshot_version"][0])
     if read_params:
-        networks.read_flat_params(collector.agent, buf["params"])
-    collector.normalizer.read(buf["norm"])
-    return collector.collect(n_steps), collector.normalizer.digest()
+        networks.read_flat_params(collector.agent, shared["params"])
+    collector.normalizer.read(shared["norm"])
+    collector.buf = rollout
+    started = time.time()
+    episodes = collector.collect(n_steps)
+    return episodes, {"version": version, "norm_digest": collector.normalizer.digest(), "started": started,
+                      "ended": time.time()}
 
 
 def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_env: int, seed: int) -> None:
@@ -122,23 +164,24 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
     # only add wake-up latency (one LunarLander worker: 14.8k steps/s with one thread, 12.0k with two).
     set_torch_threads(1)
     cfg = Config(**cfg_dict)
-    buf, handles = attach_all(specs)
+    shared, handles = attach_all(specs)
+    rollouts = split_rollouts(shared)
     envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
     try:
-        collector = make_collector(cfg, envs, buf, first_env, seed)
+        collector = make_collector(cfg, envs, rollouts[0], first_env, seed)
         link.ready()
         while True:
-            command, _ = link.receive()
+            command, slot = link.receive()
             if command == "stop":
                 break
             if command != "collect":
                 raise ValueError(f"worker {link.index}: unknown command {command!r}")
-            started = time.time()
-            episodes, digest = collect_published(collector, buf, cfg.n_steps)
-            link.send("collected", {"episodes": episodes, "started": started, "norm_digest": digest})
+            episodes, report = collect_published(collector, shared, rollouts[slot], cfg.n_steps)
+            link.send("collected", {"episodes": episodes, "slot": slot, **report})
     finally:
         envs.close()
-        buf.clear()
+        for arrays in (*rollouts, shared):
+            arrays.clear()
         for handle in handles:
             handle.close()
 
@@ -148,32 +191,40 @@ class InProcessCollector:
 
     It acts with the learner's own network on the CPU, or with a CPU copy refreshed from
     the published parameters when the learner lives on a GPU (rollouts step one small
-    batch at a time, where a GPU only adds transfer latency).
+    batch at a time, where a GPU only adds transfer latency). Collecting and learning take
+    turns here (``async_training`` needs workers).
     """
 
-    def __init__(self, run, agent, buf: dict[str, np.ndarray], seed: int):
-        self.cfg, self.buf, self.run = run.cfg, buf, run
+    def __init__(self, run, agent, shared: dict[str, np.ndarray], seed: int):
+        self.cfg, self.shared, self.run = run.cfg, shared, run
+        self.rollout = split_rollouts(shared)[0]
         self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
         envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(envs.close)
-        self.collector = make_collector(self.cfg, envs, buf, 0, seed, agent if self.learner_on_cpu else None)
+        self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, agent if self.learner_on_cpu else None)
 
-    def collect(self) -> list[dict] | None:
+    def start(self, slot: int, snapshot: Snapshot) -> None:
+        pass  # the rollout runs in wait(), in the one slot there is
+
+    def wait(self) -> tuple[list[dict], float] | None:
+        """The finished episodes of one rollout and the seconds it took."""
         self.run.budget.mark_first_step()
-        episodes, _ = collect_published(self.collector, self.buf, self.cfg.n_steps, read_params=not self.learner_on_cpu)
-        return episodes
+        episodes, report = collect_published(self.collector, self.shared, self.rollout, self.cfg.n_steps,
+                                             read_params=not self.learner_on_cpu)
+        return episodes, report["ended"] - report["started"]
 
 
 class WorkerCollector:
     """``num_workers`` processes, each filling its own columns of the shared rollout.
 
-    A worker that dies is reported and restarted by the supervisor; its share of the
-    rollout is then collected again, with the current parameters.
+    A worker that dies is reported and restarted by the supervisor; its share of the rollout
+    is then collected again, with the same snapshot (the learner publishes the next one only
+    once it holds the whole rollout).
     """
 
-    def __init__(self, run, arrays: SharedArrays, seed: int, normalizer):
+    def __init__(self, run, arrays: SharedArrays, seed: int):
         cfg, specs, cfg_dict = run.cfg, arrays.specs(), to_dict(run.cfg)
-        self.run, self.normalizer = run, normalizer
+        self.run = run
 
         def args_for(index: int) -> tuple:
             lives = self.supervisor.workers[index].restarts if hasattr(self, "supervisor") else 0
@@ -184,41 +235,58 @@ class WorkerCollector:
             rollout_worker, cfg.num_workers, args_for, name="worker", max_restarts=cfg.max_worker_restarts,
             start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s, logger=run.log))
         self.supervisor.start()
+        self.pending: set[int] = set()
 
-    def collect(self) -> list[dict] | None:
-        """Every worker's share of one rollout, or None if a stop was requested meanwhile."""
-        pending = set(range(self.run.cfg.num_workers))
-        for index in pending:
-            self.supervisor.send(index, "collect")
-        episodes: list[dict] = []
-        while pending:
+    def start(self, slot: int, snapshot: Snapshot) -> None:
+        """Ask every worker for its share of a rollout into ``slot``, acting with ``snapshot`` (published)."""
+        self.slot, self.snapshot = slot, snapshot
+        self.pending = set(range(self.run.cfg.num_workers))
+        for index in self.pending:
+            self.supervisor.send(index, "collect", slot)
+
+    def wait(self) -> tuple[list[dict], float] | None:
+        """The finished episodes of the rollout started last and the seconds it took (the workers' clocks),
+        or None if a stop was requested meanwhile."""
+        episodes, spans = [], []
+        while self.pending:
             if self.run.graceful.requested:
                 return None
             for message in self.supervisor.poll(0.5):
-                if message.kind == "collected" and message.index in pending:
-                    if message.payload["norm_digest"] != self.normalizer.digest():
-                        raise RuntimeError(f"worker {message.index} acted with other normalization statistics "
-                                           "than the learner published")
+                if message.kind == "collected" and message.index in self.pending:
+                    self.check(message)
                     self.run.budget.mark_first_step(message.payload["started"])
                     episodes.extend(message.payload["episodes"])
-                    pending.discard(message.index)
-                elif message.kind == "restarted" and message.index in pending:
-                    self.supervisor.send(message.index, "collect")  # redo its share with the current parameters
-        return episodes
+                    spans.append((message.payload["started"], message.payload["ended"]))
+                    self.pending.discard(message.index)
+                elif message.kind == "restarted" and message.index in self.pending:
+                    self.supervisor.send(message.index, "collect", self.slot)  # redo its share, same snapshot
+        return episodes, max(end for _, end in spans) - min(start for start, _ in spans)
+
+    def check(self, message) -> None:
+        """The worker filled the rollout asked for, acting with the snapshot published for it."""
+        got, want = message.payload, self.snapshot
+        if (got["slot"], got["version"], got["norm_digest"]) != (self.slot, want.version, want.digest):
+            raise RuntimeError(
+                f"worker {message.index} filled rollout {got['slot']} acting with snapshot {got['version']} "
+                f"(statistics {got['norm_digest']}), but the learner published snapshot {want.version} "
+                f"(statistics {want.digest}) for rollout {self.slot}")
 
 
 # --------------------------------------------------------------------------- learner
 
 class PPOTrainer:
-    """The learner: publish parameters, collect a rollout, GAE, PPO update; repeat."""
+    """The learner: publish a snapshot, collect a rollout, GAE, PPO update; repeat. With
+    ``async_training`` it asks for the next rollout before it updates on this one."""
 
     def __init__(self, run):
         cfg, dist = run.cfg, run.dist
         self.run, self.cfg, self.dist = run, cfg, dist
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
-        # Workers sit idle while the learner updates: --torch-threads 0 gives the update every core.
-        torch.set_num_threads(cfg.torch_threads or threads_per_process(1))
+        # Synchronous workers sit idle while the learner updates: --torch-threads 0 gives the update every
+        # core (every core the workers leave free when they collect meanwhile).
+        busy = 1 + cfg.num_workers if cfg.async_training else 1
+        torch.set_num_threads(cfg.torch_threads or threads_per_process(busy))
         # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
         # with NCCL), whatever GPU --device names.
         self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
@@ -227,16 +295,20 @@ class PPOTrainer:
                                           cfg.activation, cfg.log_std_init)
         self.agent.to(self.device)
         self.normalizer = ppo.make_normalizer(cfg, env.observation_space, env.action_space)
+        self.behaviour = ppo.make_normalizer(cfg, env.observation_space, env.action_space)  # a rollout's own
         arrays = SharedArrays()
         run.defer(arrays.unlink_all)
         rollout_arrays(arrays, cfg, env.observation_space, env.action_space, networks.flat_size(self.agent),
                        self.normalizer.size())
-        self.buf = {key: arrays[key] for key in arrays.specs()}
-        run.log.info("%s", ppo.describe_rollout(self.buf, env.observation_space))
+        self.shared = {key: arrays[key] for key in arrays.specs()}
+        self.rollouts = split_rollouts(self.shared)
+        self.version = 0  # of the last snapshot published
+        run.log.info("%s%s", ppo.describe_rollout(self.rollouts[0], env.observation_space),
+                     " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
         seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
         # Workers start first: they import torch and build their envs while this process goes on.
-        self.collector = (InProcessCollector(run, self.agent, self.buf, seed) if cfg.num_workers == 0
-                          else WorkerCollector(run, arrays, seed, self.normalizer))
+        self.collector = (InProcessCollector(run, self.agent, self.shared, seed) if cfg.num_workers == 0
+                          else WorkerCollector(run, arrays, seed))
         # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
         self.optimizer = optim.FusedAdam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
         if run.resumed is not None:
@@ -248,9 +320,10 @@ class PPOTrainer:
                                         cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
         self.generator = torch.Generator().manual_seed(cfg.seed + run.counters["updates"])
         self.grad_hook = dist.gradient_hook(self.agent)
-        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, world size %d, run dir %s",
-                     cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker, cfg.n_steps * cfg.total_envs,
-                     dist.world_size, run.run_dir)
+        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, world size %d, "
+                     "run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker, cfg.n_steps * cfg.total_envs,
+                     "collecting while learning" if cfg.async_training else "synchronous", dist.world_size,
+                     run.run_dir)
 
     def stop_reason(self) -> str | None:
         """Every rank stops after the same update: a signal anywhere, or rank 0's decision."""
@@ -259,34 +332,64 @@ class PPOTrainer:
         return self.dist.agree_on_stop(self.run.stop_reason())
 
     def train(self) -> None:
-        run, cfg, budget = self.run, self.cfg, self.run.budget
+        run, cfg = self.run, self.cfg
+        slot, in_flight = 0, None  # the rollout being collected: its slot and its snapshot
         while self.stop_reason() is None:
-            if cfg.anneal_lr and cfg.total_timesteps:
-                frac = max(0.0, 1.0 - run.counters["global_step"] / cfg.total_timesteps)
-                self.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
-            networks.write_flat_params(self.agent, self.buf["params"])
-            self.normalizer.publish(self.buf["norm"])
+            if in_flight is None:  # synchronous, or the first rollout of an overlapped run
+                in_flight = self.request_rollout(slot)
             started = time.perf_counter()
-            with budget.part("collect"):
-                episodes = self.collector.collect()
-            collect_seconds = time.perf_counter() - started
-            if self.dist.any_rank(episodes is None):
+            # Synchronous, the learner waits for the whole rollout; overlapped, for what its update did not hide.
+            with run.budget.part("wait" if cfg.async_training else "collect"):
+                collected = self.collector.wait()
+            wait_seconds = time.perf_counter() - started
+            if self.dist.any_rank(collected is None):
                 return  # a signal arrived during the rollout: skip its update and save
-            with budget.part("learn"):
-                stats, update_seconds = self.update()
-            self.record(episodes, stats, collect_seconds, update_seconds)
+            episodes, collect_seconds = collected
+            behaviour, in_flight = in_flight, None
+            if cfg.async_training:  # the next rollout acts with the parameters of the update before this one
+                in_flight = self.request_rollout(1 - slot)
+            with run.budget.part("learn"):
+                stats, update_seconds = self.update(self.rollouts[slot], behaviour)
+            self.record(episodes, stats, collect_seconds, update_seconds, wait_seconds)
             if run.checkpoint_due():
                 run.save_checkpoint(self.state_dict())
+            slot = (slot + 1) % len(self.rollouts)
+        # An overlapped run stops with a rollout in flight: its workers finish it and stop; it is not learned.
 
-    def update(self) -> tuple[dict[str, float], float]:
-        started = time.perf_counter()
-        batch = ppo.rollout_batch(self.buf, self.cfg.gamma, self.cfg.gae_lambda, self.device, self.normalizer)
-        # The statistics take this rollout in only now: the batch uses those it was collected with.
-        self.normalizer.update(self.buf["obs"], self.buf["disc_returns"], self.dist.total)
+    def request_rollout(self, slot: int) -> Snapshot:
+        """Publish the parameters and statistics as they are now, and have the rollout in ``slot`` collected
+        with them (workers are between rollouts whenever this runs)."""
+        networks.write_flat_params(self.agent, self.shared["params"])
+        self.normalizer.publish(self.shared["norm"])
+        self.version += 1
+        self.shared["snapshot_version"][0] = self.version
+        snapshot = Snapshot(self.version, self.shared["norm"].copy(), self.normalizer.digest())
+        self.collector.start(slot, snapshot)
+        return snapshot
+
+    def update(self, rollout: dict[str, np.ndarray], behaviour: Snapshot) -> tuple[dict[str, float], float]:
+        """GAE and the PPO update on ``rollout``, collected with the snapshot ``behaviour``.
+
+        The PPO ratio is taken against the log-probabilities the rollout stored, and GAE uses
+        the values it stored: both are the behaviour policy's, one update behind the learner in an
+        overlapped run. The rollout keeps neither the observation after its last step nor the final
+        observations at time limits, only their values, so stored values are the ones consistent
+        with those bootstraps (Sample Factory's APPO also bootstraps GAE from the actors' values).
+        """
+        cfg, started = self.cfg, time.perf_counter()
+        if cfg.anneal_lr and cfg.total_timesteps:
+            frac = max(0.0, 1.0 - self.run.counters["global_step"] / cfg.total_timesteps)
+            self.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
+        # The batch is normalized with the statistics the rollout was collected with (overlapped, the
+        # learner's own have taken in one more rollout since); only then does this rollout enter them.
+        self.behaviour.read(behaviour.norm)
+        batch = ppo.rollout_batch(rollout, cfg.gamma, cfg.gae_lambda, self.device, self.behaviour)
+        self.normalizer.update(rollout["obs"], rollout["disc_returns"], self.dist.total)
         stats = ppo.ppo_update(self.agent, self.optimizer, batch, self.settings, self.generator, self.grad_hook)
         return stats, time.perf_counter() - started
 
-    def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float) -> None:
+    def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float,
+               wait_seconds: float) -> None:
         run, dist = self.run, self.dist
         allreduce = (dist.allreduce_seconds, dist.allreduce_bytes)
         dist.allreduce_seconds, dist.allreduce_bytes = 0.0, 0
@@ -298,9 +401,9 @@ class PPOTrainer:
         run.record_episodes(all_episodes)
         run.write_metrics({"collect_sps": total_steps / max(1e-9, collect_seconds),
                            "learning_rate": self.optimizer.param_groups[0]["lr"], **stats,
-                           "update_ms": 1000 * update_seconds, "allreduce_ms": 1000 * allreduce[0],
-                           "allreduce_kib": allreduce[1] / 1024, "params_hash": ":".join(rank_hashes),
-                           "world_size": dist.world_size},
+                           "update_ms": 1000 * update_seconds, "wait_ms": 1000 * wait_seconds,
+                           "allreduce_ms": 1000 * allreduce[0], "allreduce_kib": allreduce[1] / 1024,
+                           "params_hash": ":".join(rank_hashes), "world_size": dist.world_size},
                           {"restarts": run.worker_restarts})
         if len(set(rank_hashes)) > 1:
             raise TrainingDiverged(f"ranks hold different parameters after update {run.counters['updates']}")
@@ -311,12 +414,15 @@ class PPOTrainer:
         return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec,
                 **self.normalizer.state_dict()}
 
+    def summary(self) -> dict:
+        return {"async_training": self.cfg.async_training}
+
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete", "Box"), resume_requires=("model", "optimizer"), distributed=True,
             metrics_columns=["collect_sps", "learning_rate", "policy_loss", "value_loss", "entropy", "approx_kl",
-                             "clipfrac", "explained_variance", "update_ms", "allreduce_ms", "allreduce_kib",
-                             "params_hash", "world_size"])
+                             "clipfrac", "explained_variance", "update_ms", "wait_ms", "allreduce_ms",
+                             "allreduce_kib", "params_hash", "world_size"])
 
 
 def train(config: Config | None = None, **fields) -> dict:

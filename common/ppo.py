@@ -121,7 +121,9 @@ class RolloutCollector:
     It keeps what outlives one rollout: the observation to continue from and each env's
     discounted return so far (reward scaling learns its variance). The policy acts on
     observations normalized by ``normalizer``; the rollout stores them raw (common/normalize.py).
-    MLP policies act in numpy (:class:`NumpyActing`), others with torch.
+    MLP policies act in numpy (:class:`NumpyActing`), others with torch. ``buf`` may be another
+    rollout of the same layout from one rollout to the next (train_parallel_timed.py alternates two
+    when it collects while it learns).
     """
 
     def __init__(self, agent, envs, buf: dict[str, np.ndarray], cols: slice, normalizer: Normalizer, seed: int):
@@ -184,6 +186,8 @@ def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, d
     """GAE over a filled rollout, then ``[T, N]`` flattened into one batch of samples on ``device``.
 
     Observations are normalized and rewards scaled with the statistics the rollout was collected with.
+    ``logprobs`` and ``values`` stay those the rollout stored, the behaviour policy's: the PPO ratio is
+    taken against them however far the learner has moved on since (a lagged rollout's is not 1 at first).
     """
     rewards = normalizer.rewards(buf["rewards"])
     advantages, returns = compute_gae(rewards, buf["values"], buf["terminations"], buf["truncations"],

@@ -30,9 +30,10 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_stay_identical_and_only_rank_0_writes(tmp_path):
+@pytest.mark.parametrize("form", ["--no-async-training", "--async-training"])
+def test_two_ranks_stay_identical_and_only_rank_0_writes(tmp_path, form):
     run_dir = tmp_path / "dd"
-    result = subprocess.run(torchrun(*TINY, "--total-timesteps", 2560, "--output-dir", run_dir),
+    result = subprocess.run(torchrun(*TINY, form, "--total-timesteps", 2560, "--output-dir", run_dir),
                             env=script_env(), capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = rows(run_dir)

@@ -44,11 +44,16 @@ def wait_for_metrics(run_dir: Path, rows: int, proc, timeout: float = 60) -> Non
     raise AssertionError(f"no {rows} metric rows in time; output:\n{proc.stdout.read() if proc.poll() else ''}")
 
 
-@pytest.mark.parametrize("workers, env_id", [(0, "CartPole-v1"), (2, "CartPole-v1"), (1, "Pendulum-v1")])
-def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
+# Pendulum-v1 normalizes observations and rewards (Box actions): overlapped, every rollout is checked against
+# the statistics published for it and learned with them, while the learner's own have moved on.
+@pytest.mark.parametrize("workers, env_id, form", [(0, "CartPole-v1", "--no-async-training"),
+                                                   (2, "CartPole-v1", "--no-async-training"),
+                                                   (1, "Pendulum-v1", "--no-async-training"),
+                                                   (2, "Pendulum-v1", "--async-training")])
+def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id, form):
     run_dir = tmp_path / f"w{workers}"
     result = run_script(SCRIPT, *TINY, "--num-workers", workers, "--total-timesteps", 2000,
-                        "--output-dir", run_dir, "--tensorboard", "--env-id", env_id)
+                        "--output-dir", run_dir, "--tensorboard", "--env-id", env_id, form)
     assert result.returncode == 0, result.stderr
     for path in ("config.yaml", "logs/main.log", "metrics.csv", "checkpoints/latest.pt", "summary.json",
                  "plots/training_curve.png"):
@@ -59,6 +64,7 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
             "losses/explained_variance", "prl/collect_sps"} <= tags, sorted(tags)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["num_workers"] == workers and config["env_id"] == env_id
+    assert config["async_training"] == (form == "--async-training")
     rows = metrics_rows(run_dir)
     assert list(rows[0])[:6] == ["wall_time", "global_step", "episodes", "episodic_return", "episodic_length", "sps"]
     steps_per_update = 32 * 4 * max(1, workers)
@@ -67,14 +73,19 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] >= 2000 and summary["sps"] > 0 and summary["peak_rss_mb"] > 0
     assert summary["stop_reason"] == "total_timesteps 2000 reached"
-    assert "exit status 0" in (run_dir / "logs" / "main.log").read_text()
+    assert summary["async_training"] == config["async_training"]
+    assert all(float(r["wait_ms"]) >= 0 and float(r["update_ms"]) > 0 for r in rows)
+    log = (run_dir / "logs" / "main.log").read_text()
+    assert "exit status 0" in log
+    assert ("collecting while learning" in log) == config["async_training"]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [0, 2])
-def test_cartpole_learns_within_a_fixed_step_budget(tmp_path, workers):
+@pytest.mark.parametrize("workers, form", [(0, "--no-async-training"), (2, "--no-async-training"),
+                                           (1, "--async-training")])
+def test_cartpole_learns_within_a_fixed_step_budget(tmp_path, workers, form):
     run_dir = tmp_path / "learn"
-    result = run_script(SCRIPT, *FAST, "--num-workers", workers, "--seed", 1, "--target-return", 195,
+    result = run_script(SCRIPT, *FAST, "--num-workers", workers, form, "--seed", 1, "--target-return", 195,
                         "--total-timesteps", 150_000, "--no-tensorboard", "--output-dir", run_dir, timeout=220)
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -90,10 +101,33 @@ def test_a_batch_that_does_not_divide_the_rollout_is_refused(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
 
 
-def test_repeated_worker_deaths_save_and_exit_1(tmp_path):
+def test_collecting_while_learning_needs_workers(tmp_path):
+    result = run_script(SCRIPT, "--async-training", "--num-workers", "0", "--output-dir", tmp_path / "never",
+                        timeout=60)
+    assert result.returncode == 2 and "--async-training True: needs num_workers >= 1" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
+def test_a_rollout_from_another_snapshot_is_refused():
+    """Overlapped, the learner's statistics move on while a rollout is collected: each rollout is checked
+    against the snapshot published for it, not against the learner's current statistics."""
+    from common.supervisor import Message
+    from train_parallel_timed import Snapshot, WorkerCollector
+
+    collector = object.__new__(WorkerCollector)
+    collector.slot, collector.snapshot = 1, Snapshot(7, None, "abc")
+    collector.check(Message(0, "collected", {"slot": 1, "version": 7, "norm_digest": "abc"}))
+    for stale in ({"slot": 1, "version": 6, "norm_digest": "abc"}, {"slot": 1, "version": 7, "norm_digest": "abd"},
+                  {"slot": 0, "version": 7, "norm_digest": "abc"}):
+        with pytest.raises(RuntimeError, match="the learner published snapshot 7"):
+            collector.check(Message(0, "collected", stale))
+
+
+@pytest.mark.parametrize("form", ["--no-async-training", "--async-training"])
+def test_repeated_worker_deaths_save_and_exit_1(tmp_path, form):
     run_dir = tmp_path / "deaths"
     proc = start_script(SCRIPT, *TINY, "--num-workers", 2, "--total-timesteps", 10**9, "--max-worker-restarts", 0,
-                        "--output-dir", run_dir)
+                        "--output-dir", run_dir, form)
     try:
         wait_for_metrics(run_dir, 2, proc)
         os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
@@ -122,6 +156,34 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     assert f"resumed from {run_dir / 'checkpoints' / 'latest.pt'} at step {saved['counters']['global_step']}" in \
         (run_dir / "logs" / "main.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 2048
+
+
+def test_collecting_while_learning_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tmp_path):
+    """Ctrl+C lands while a rollout is in flight: the run saves what it learned and exits 130; the resumed run
+    continues the step count (the rollout in flight was not learned, so it is not counted)."""
+    run_dir = tmp_path / "overlap"
+    args = [*TINY, "--num-workers", 1, "--async-training", "--output-dir", run_dir]
+    proc = start_script(SCRIPT, *args, "--total-timesteps", 10**9)
+    try:
+        wait_for_metrics(run_dir, 3, proc)
+        workers = worker_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        kill_tree(proc)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(pid) for pid in workers), "workers outlived the run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted" and summary["async_training"] is True
+    saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")["counters"]["global_step"]
+    assert saved == summary["global_step"] == int(metrics_rows(run_dir)[-1]["global_step"])
+    rows_before = len(metrics_rows(run_dir))
+    resumed = run_script(SCRIPT, *args, "--total-timesteps", saved + 512, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [int(r["global_step"]) for r in metrics_rows(run_dir)]
+    assert steps[rows_before:] == [saved + 128 * (i + 1) for i in range(4)]
 
 
 def test_compare_results_on_two_real_runs(tmp_path):
