@@ -1,5 +1,6 @@
 """parallel_train_dqn.py and the DQN pieces it shares: masking in the target, replay layout and n-step
-returns, the buffer memory plan, and learning runs (CartPole, ConnectFour self-play).
+returns, the buffer memory plan, and learning runs (CartPole, ConnectFour self-play); replay augmentation
+by the symmetries an env declares (--mirror-augment) and --target-win-rate.
 
 Signals, worker deaths, resume and bad input common to every script are in test_faults.py.
 """

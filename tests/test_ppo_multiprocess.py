@@ -1,5 +1,7 @@
 """train_ppo_multiprocess.py: the population learns, ranks and keeps its agents; a worker continues from
-its own newest checkpoint after a crash, a stop or a resume; Box actions train; bad input is refused.
+its own newest checkpoint after a crash, a stop or a resume; Box actions train; bad input is refused;
+PBT's exploit/explore step and answers that come late; workers on the documented GPUs (3 assumed);
+--validate-only writes nothing; a final evaluation ends by the stop deadline instead of being killed.
 
 What every script shares (signals, worker deaths and hangs, kill -9, NaN, locks, bad input) is in
 tests/test_faults.py.
@@ -516,7 +518,7 @@ def test_a_final_evaluation_that_outlasts_stop_timeout_ends_in_time_and_is_repor
     out, cache = tmp_path / "run", tmp_path / "cache"
     summary = tpm.train(num_items=5, history_steps=800, top_n_items=3, episode_length=32, cache_dir=str(cache),
                         num_workers=2, num_envs_per_worker=4, n_steps=32, batch_size=64, n_epochs=1,
-                        max_steps_per_worker=None, duration=0.0025, stop_timeout_s=3.0, eval_episodes=10**7,
+                        max_steps_per_worker=None, duration=0.003, stop_timeout_s=3.0, eval_episodes=10**7,
                         eval_random_baseline=False, tensorboard=False, output_dir=str(out))
     assert summary["exit_code"] == 0 and summary["stop_reason"].startswith("duration"), summary
     board = read_csv(out / "leaderboard.csv")

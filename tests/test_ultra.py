@@ -1,4 +1,5 @@
-"""ultra_parallel_train_dqn.py: n-step returns, the shared learner step, derived settings, learning in both modes.
+"""ultra_parallel_train_dqn.py: n-step returns, the shared learner step, derived settings, learning in both modes;
+the rate limiter's replay ratio, --save-replay then --resume.
 
 Signals, worker deaths, resume and bad input common to every script are in test_faults.py.
 """
