@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 
 # Idle OpenMP threads must sleep, not spin: spinning threads collapse throughput as soon as
-# the cores are shared with workers or anything else (see the README's "Threads").
+# the cores are shared with workers or anything else (see "Threads" in docs/conventions.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import copy
