@@ -201,7 +201,7 @@ class TrainKwargs(RunConfig):
     num_workers: int = 4  # independent agents, one process each (under torchrun: on each rank)
     num_envs_per_worker: int = 8  # environments each worker steps at once (numpy-vectorized)
     max_steps_per_worker: int | None = 1_000_000  # env steps each worker trains for (none: until duration or Ctrl+C)
-    duration: float | None = None  # hours of wall time; then every worker saves, is evaluated, and the run ends
+    duration: float | None = None  # hours of training (from when the workers are up); then each saves, is evaluated
     target_return: str | None = "auto"  # a worker is done once the mean of its last 100 returns reaches this
     checkpoint_every: int = 50_000  # steps between a worker's checkpoints worker_<i>_step_<S>.pt
     device: str = "auto"  # auto, cpu, cuda, cuda:N
@@ -762,6 +762,14 @@ class Population:
     # -- the run
     def train(self) -> None:
         run = self.run
+        # --duration starts once this node's workers are up, as in the ultra mode: it is training time,
+        # however long the workers took to start on a busy machine.
+        while not self.supervisor.all_ready() and not run.graceful.requested:
+            with run.budget.part("wait"):
+                messages = self.poll(0.1)
+            for message in messages:
+                self.handle(message.index, message.kind, message.payload)
+        run.start_duration()
         while any(s.active for s in self.status) and run.stop_reason() is None:
             with run.budget.part("wait"):
                 messages = self.poll(0.5)

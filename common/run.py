@@ -422,6 +422,11 @@ class Run:
         self._last_checkpoint = self._started
         self._window_start = (self._started, self.counters["global_step"])
 
+    def start_duration(self) -> None:
+        """--duration counts from now (a mode whose workers train as soon as each is up calls it once all
+        are): wall_time and the checkpoint interval keep counting from start_clock."""
+        self._deadline = time.monotonic() + self.cfg.duration * 3600 if getattr(self.cfg, "duration", None) else math.inf
+
     def defer(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` when the run ends, however it ends (last registered, first run).
 
