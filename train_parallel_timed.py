@@ -71,7 +71,9 @@ class Config(RunConfig, NormalizationSettings):
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
-    async_training: bool = False  # workers collect the next rollout (one update behind) while the learner updates
+    # Workers collect the next rollout (acting one update behind) while the learner updates; needs workers. Off by
+    # default: 21 % less time per step, 22 % more steps to LunarLander's target (benchmarks/results/overlap.md).
+    async_training: bool = False  # collect while learning, one update behind
 
     MIN_WORKERS = 0
 
