@@ -749,11 +749,20 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
 
 
 def execute(mode: Mode, run: Run) -> int:
-    """Steps 4 to 7: build the trainer, train, save, summarize; every failure has its exit status."""
+    """Steps 4 to 7: build the trainer, train, save, summarize; every failure has its exit status.
+    The run's Ctrl+C and SIGTERM handlers are in place for exactly this long, however it ends (a
+    program that calls train() again, or goes on, gets its own handlers back)."""
+    run.graceful.install()
+    try:
+        return _train_save_summarize(mode, run)
+    finally:
+        run.graceful.uninstall()
+
+
+def _train_save_summarize(mode: Mode, run: Run) -> int:
     from common.checkpoint import set_rng_state
 
     log = run.log
-    run.graceful.install()
     trainer, exit_code, reason, save = None, EXIT_OK, "finished", True
     try:
         if run.resumed is not None:
@@ -818,7 +827,6 @@ def finish(run: Run, trainer: Any, exit_code: int, reason: str, save: bool) -> i
     run.final_summary = summary
     run.close()
     run.dist.close(abort=exit_code == EXIT_FAILED)
-    run.graceful.uninstall()
     return exit_code
 
 

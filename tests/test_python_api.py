@@ -71,8 +71,9 @@ def test_train_from_python_twice_interrupted_and_clean(tmp_path):
     interrupted = out["interrupted"]
     assert interrupted["stop_reason"] == "interrupted" and interrupted["exit_code"] == 130
     assert (tmp_path / "d" / "checkpoints" / "latest.pt").exists() and interrupted["global_step"] > 0
-    for state in (out["after_first"], out["after_all"]):
-        assert state == {"children": 0, "segments": [], "threads": 1, "sigint_default": True, "log_handlers": 0}, state
+    for when in ("after_first", "after_all"):
+        assert out[when] == {"children": 0, "segments": [], "threads": 1, "sigint_default": True,
+                             "log_handlers": 0}, (when, out[when])
 
 
 def test_aliases_read_and_write_the_same_field():
