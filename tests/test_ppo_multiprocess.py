@@ -121,7 +121,9 @@ def test_crash_restarts_from_the_newest_checkpoint_then_stop_and_resume_continue
     # its checkpoint at step 1024.
     proc = start_script(SCRIPT, *args, "--max-steps-per-worker", "1000000", env={"PRL_INJECT_FAULT": "raise:0:6"})
     try:
-        assert wait_until(lambda: min(worker_steps(out).values(), default=0) >= 2048, 90, proc), log_text(out)[-3000:]
+        # Both workers past 2048 (worker 1 alone gets there in under a second, before worker 0 may be up).
+        assert wait_until(lambda: len(worker_steps(out)) == 2 and min(worker_steps(out).values()) >= 2048, 90, proc), \
+            log_text(out)[-3000:]
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C in a terminal reaches the whole process group
         output, _ = proc.communicate(timeout=45)
     finally:
