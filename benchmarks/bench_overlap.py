@@ -17,12 +17,9 @@ section with the command is printed and appended to benchmarks/results/overlap.m
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "overlap.md"
-SCRIPT = ROOT / "train_parallel_timed.py"
+
+# One way to run the script and read its run, shared with the timed benchmark.
+from bench_timed import first_reaching, run, table  # noqa: E402  (benchmarks/ is on sys.path when run)
 CARTPOLE = ["--config", str(ROOT / "configs" / "cartpole_fast.yaml")]
 
 # (label, flags): the sequential baseline first, then each worker count in both forms. The YAML's
@@ -49,33 +48,6 @@ LUNAR_FORMS = [
     ("2 workers x 8 envs, synchronous (defaults)", ["--no-async-training"]),
     ("2 workers x 8 envs, overlapped", ["--async-training"]),
 ]
-
-
-def run(args: list[str], run_dir: Path) -> tuple[dict, list[dict], float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--output-dir", str(run_dir), "--no-tensorboard"],
-                          env=env, capture_output=True, text=True)
-    process_seconds = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    with open(run_dir / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    return summary, rows, process_seconds
-
-
-def first_reaching(rows: list[dict], threshold: float) -> dict | None:
-    for row in rows:
-        if row["return_mean100"] and float(row["return_mean100"]) >= threshold:
-            return row
-    return None
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def median(values: list[float]) -> float:
