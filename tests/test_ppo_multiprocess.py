@@ -469,6 +469,23 @@ def test_a_late_pbt_round_skips_workers_that_stopped_waiting_finished_or_are_sto
     assert told == [] and population.pbt_waiting == {}
 
 
+
+def test_a_restarted_worker_leaves_the_pbt_round_and_one_that_died_or_was_lost_is_not_waited_for(tmp_path):
+    population, told = coordinator(4)
+    population.sources = [tmp_path]  # no checkpoint: a restart continues "from scratch"
+    population.handle(3, "given_up", "Traceback ...\nRuntimeError: worker 3 crashed once too often")
+    ready(population, 0, 1024, 5.0)
+    ready(population, 1, 1024, 1.0)
+    population.handle(1, "restarted", "Traceback ...\nRuntimeError: worker 1 crashed")
+    assert population.pbt_waiting == {0: 1024}  # the restarted one left the round
+    ready(population, 2, 1024, 9.0)
+    assert told == []  # and the others wait for it to reach a PBT step again
+    population.handle(1, "lost", "node 1 lost: connection reset")
+    # Lost (like given up): no longer training, so the round goes on with those that wait.
+    assert [index for index, _ in told] == [0, 2] and all(answer["step"] == 1024 for _, answer in told)
+    assert told[0][1]["donor"] == 2 and "donor" not in told[1][1]
+    assert population.pbt_waiting == {} and population.status[1].restarts == 1
+
 @pytest.fixture
 def three_gpus(monkeypatch):
     """A machine with 3 CUDA GPUs, as far as device placement can tell (no GPU is touched)."""
