@@ -992,8 +992,12 @@ class Population:
         if cfg.eval_random_baseline:
             envs = envs_lib.make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                                          **split_kwargs(run.env_kwargs, "eval", self.data, self.items))
+            # Bounded like the members' own evaluations: stop_timeout_s, or a Ctrl+C, ends it with the
+            # episodes finished so far (the row's eval_episodes says how many).
+            deadline = time.monotonic() + cfg.stop_timeout_s
             self.baseline = evaluate(envs, random_actions(envs.single_action_space, cfg.eval_seed),
-                                     cfg.eval_episodes, cfg.eval_seed)
+                                     cfg.eval_episodes, cfg.eval_seed,
+                                     stop=lambda: run.graceful.requested or time.monotonic() >= deadline)
         self.leaderboard = rows
         baseline_row = [{"worker": "random", **{f"eval_{k}": v for k, v in self.baseline.items()}}] \
             if self.baseline else []

@@ -533,17 +533,18 @@ def test_validate_only_writes_nothing_not_even_the_market_cache(tmp_path, monkey
 def test_a_final_evaluation_that_outlasts_stop_timeout_ends_in_time_and_is_reported(tmp_path):
     """At the duration's end the workers evaluate themselves; an evaluation that would outlast stop_timeout_s
     ends a moment before it with the episodes it finished (leaderboard eval_episodes, a line in main.log),
-    instead of the worker being killed. The run writes the market cache the checks only built in memory.
+    instead of the worker being killed; so does the coordinator's random-policy row. The run writes the market
+    cache the checks only built in memory.
     The duration (1.8 s) counts from when the workers are up, so a slow start-up does not leave it untrained."""
     out, cache = tmp_path / "run", tmp_path / "cache"
     summary = tpm.train(num_items=5, history_steps=800, top_n_items=3, episode_length=32, cache_dir=str(cache),
                         num_workers=2, num_envs_per_worker=4, n_steps=32, batch_size=64, n_epochs=1,
                         max_steps_per_worker=None, duration=0.0005, stop_timeout_s=3.0, eval_episodes=10**7,
-                        eval_random_baseline=False, tensorboard=False, output_dir=str(out))
+                        tensorboard=False, output_dir=str(out))
     assert summary["exit_code"] == 0 and summary["stop_reason"].startswith("duration"), summary
     board = read_csv(out / "leaderboard.csv")
-    assert sorted(r["worker"] for r in board) == ["0", "1"]
-    assert all(0 < int(r["eval_episodes"]) < 10**7 for r in board), board
+    assert sorted(r["worker"] for r in board) == ["0", "1", "random"]
+    assert all(0 < int(r["eval_episodes"]) < 10**7 for r in board), board  # the random row's too
     log = (out / "logs" / "main.log").read_text()
     assert log.count("evaluation ended at the stop deadline (stop_timeout_s) after") == 2, log[-3000:]
     assert "did not stop within" not in log
