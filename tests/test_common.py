@@ -348,3 +348,49 @@ def test_the_project_builds_as_a_package_with_the_envs_scripts_and_evaluate_comm
         assert module in names, module
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "prl-evaluate = common.evaluate:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+BLAS_PROBE = """
+import ctypes, multiprocessing as mp
+import numpy
+import common  # as every script does, once numpy is loaded
+
+
+def blas_threads(queue):
+    # numpy's OpenBLAS thread count in this process (None where numpy does not use OpenBLAS)
+    libraries = sorted({line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line and ".so" in line})
+    for path in libraries:
+        library = ctypes.CDLL(path)
+        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            if hasattr(library, name):
+                return queue.put(getattr(library, name)())
+    queue.put(None)
+
+
+if __name__ == "__main__":
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    worker = context.Process(target=blas_threads, args=(queue,))
+    worker.start()
+    print(queue.get(timeout=60))
+    worker.join()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the loaded libraries from /proc")
+def test_workers_run_numpy_blas_on_one_thread_unless_the_user_sets_it(tmp_path):
+    """Acting for 128 envs on a busy machine was 6x slower with one BLAS thread per core (docs/performance.md):
+    every process a script starts gets one, and a value the user exported is kept."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(BLAS_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    env["PYTHONPATH"] = str(ROOT)
+    seen = {}
+    for setting in (None, "2"):
+        run_env = env if setting is None else {**env, "OPENBLAS_NUM_THREADS": setting}
+        proc = subprocess.run([sys.executable, str(probe)], env=run_env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen[setting] = proc.stdout.strip()
+    if seen[None] == "None":
+        pytest.skip("numpy does not use OpenBLAS here")
+    assert seen == {None: "1", "2": "2"}
