@@ -53,6 +53,7 @@ manager_lib = lazy_import("common.manager")
 networks = lazy_import("common.networks")
 
 DEFAULT_BUFFER = 100_000
+PFSP_WINDOW = 200  # games against a snapshot that its win rate is measured over
 
 
 @aliased  # seed 002's n_episodes reads and writes total_episodes
@@ -61,37 +62,39 @@ class Config(RunConfig):
     env_id: str = "ConnectFour-v0"  # any Gymnasium id with a Discrete action space; two-player built-ins use self-play
     seed: int = 1  # seeds the networks, the replay sampling and every worker's environments
     num_workers: int = field(default_factory=lambda: max(1, usable_cores() - 2))  # rollout processes per rank
-    episodes_per_batch: int = 16  # whole episodes each worker plays per batch it sends
+    episodes_per_batch: int = 64  # whole episodes each worker plays per batch it sends
     total_timesteps: int | None = None  # stop after this many environment steps (None = no limit)
-    total_episodes: int | None = 200_000  # stop after this many training episodes (None = no limit)
+    total_episodes: int | None = None  # stop after this many training episodes (None = no limit)
     duration: float | None = 0.25  # hours of wall time for this invocation (None = no limit)
     target_return: str | None = "auto"  # stop once the mean of the last 100 returns reaches this; auto = the env's own
     target_win_rate: list[float] | None = None  # two-player: stop once eval win rates vs random, heuristic reach these
     learning_rate: float = 5e-4  # Adam step size
     gamma: float = 0.99  # discount factor
-    batch_size: int = 128  # transitions per gradient update
+    batch_size: int = 256  # transitions per gradient update
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)
     learning_starts: int = 1_000  # transitions in the buffer before the first update
-    replay_ratio: float = 0.1  # gradient updates per environment transition
-    n_step: int = 1  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n)
+    replay_ratio: float = 0.05  # gradient updates per environment transition
+    n_step: int = 3  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n)
     target_update_interval: int = 250  # gradient updates between target-network updates
     tau: float = 1.0  # target update rate: 1 = hard copy, < 1 = Polyak averaging at every interval
     max_grad_norm: float = 10.0  # gradient-norm clipping
     hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])  # Q-network MLP widths
+    conv_channels: list[int] | None = None  # 3x3 conv layers before the MLP, for board observations (None = MLP only)
     epsilon_start: float = 1.0  # exploration rate at the start
     epsilon_end: float = 0.05  # exploration rate after the decay
     epsilon_decay_steps: int = 50_000  # environment steps over which epsilon decays linearly
     mixed_precision: str = "auto"  # auto (fp16 + GradScaler on CUDA, off on CPU), bf16, fp16 (CUDA), off
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (workers always act on CPU)
-    eval_interval: int = 50  # iterations between parallel greedy evaluations (0 = only at the end)
+    eval_interval: int = 100  # iterations between parallel greedy evaluations (0 = only at the end)
     eval_episodes: int = 100  # evaluation episodes (per opponent and seat in two-player games)
-    snapshot_interval: int = 20  # iterations between snapshots of the learner added to the opponent pool
+    snapshot_sampling: str = "pfsp"  # which snapshot a game is against: pfsp (those that beat the learner) or uniform
+    snapshot_interval: int = 10  # iterations between snapshots of the learner added to the opponent pool
     pool_size: int = 10  # most snapshots kept in the opponent pool (oldest dropped)
     opponent_latest: float = 0.5  # share of self-play games against the latest policy
-    opponent_snapshot: float = 0.3  # share against a past snapshot (uniform over the pool)
+    opponent_snapshot: float = 0.3  # share against a past snapshot (drawn by snapshot_sampling)
     opponent_random: float = 0.2  # share against the random player
     opponent_heuristic: float = 0.0  # share against the heuristic player (0 = pure self-play + random)
-    opponent_epsilon: float = 0.05  # exploration of policy opponents, so games do not repeat
+    opponent_epsilon: float = 0.25  # exploration of policy opponents: games do not repeat, positions vary
     mirror_augment: bool | None = None  # also store moves under the symmetries the env declares (None = if any)
     max_game_length: int | None = None  # cut episodes after this many steps (None = the environment's own limit)
     model_sync_interval: int = 1  # gradient updates between weight publications (checked once per iteration)
@@ -116,6 +119,8 @@ class Config(RunConfig):
         if self.target_win_rate is not None:
             require(len(self.target_win_rate) == 2 and all(0 <= r <= 1 for r in self.target_win_rate),
                     "target_win_rate", self.target_win_rate, "must be two rates in [0, 1] (vs random, vs heuristic)")
+        require(self.snapshot_sampling in ("pfsp", "uniform"), "snapshot_sampling", self.snapshot_sampling,
+                "must be pfsp or uniform")
         require(self.mixed_precision in ("auto", "bf16", "fp16", "off"), "mixed_precision", self.mixed_precision,
                 "must be auto, bf16, fp16 or off")
         require(self.mixed_precision != "fp16" or resolve_device(self.device).startswith("cuda"), "mixed_precision",
@@ -154,25 +159,54 @@ def check_memory(cfg: Config, env) -> None:
 
 class OpponentPool:
     """Past snapshots of the learner for self-play: one every ``snapshot_interval`` iterations,
-    at most ``pool_size``, published to the workers through shared memory."""
+    at most ``pool_size``, published to the workers through shared memory.
 
-    def __init__(self, pool_size: int, snapshots: list[dict] | None = None):
-        self.snapshots: deque[dict] = deque(snapshots or [], maxlen=pool_size)
+    With ``snapshot_sampling: pfsp`` (prioritized fictitious self-play, as in AlphaStar) a
+    snapshot is drawn in proportion to ``(1 - x) ** 2``, ``x`` the learner's win rate in its
+    last ``PFSP_WINDOW`` games against it (1/2 before any): the past selves that still beat
+    the learner are played most, the ones it has mastered hardly at all."""
+
+    def __init__(self, pool_size: int, snapshots: list[dict] | None = None, ids: list[int] | None = None):
+        snapshots = snapshots or []
+        self.snapshots: deque[dict] = deque(snapshots, maxlen=pool_size)
+        self.ids: deque[int] = deque(ids if ids and len(ids) == len(snapshots) else range(len(snapshots)),
+                                     maxlen=pool_size)
+        self.next_id = max(self.ids, default=-1) + 1
+        self.results: dict[int, deque[float]] = {}  # snapshot id -> the learner's last results against it (1 = won)
 
     def add(self, model) -> None:
         self.snapshots.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+        self.ids.append(self.next_id)
+        self.next_id += 1
+        self.results = {i: self.results.get(i, deque(maxlen=PFSP_WINDOW)) for i in self.ids}
+
+    def record(self, episodes: list[dict]) -> None:
+        """The learner's results against its snapshots, from the ``opponent`` id a game ends with."""
+        for ep in episodes:
+            games = self.results.get(int(ep.get("opponent", -1)))
+            if games is not None and "result" in ep:
+                games.append(float(ep["result"] == 1.0))
+
+    def win_rates(self) -> list[float]:
+        """The learner's win rate against each snapshot (1/2 before any game against it)."""
+        return [(sum(self.results.get(i, ())) + 1) / (len(self.results.get(i, ())) + 2) for i in self.ids]
 
     def mixture(self, cfg: Config) -> dict:
-        """Who the workers' games are against: shares of latest / snapshot / random / heuristic."""
+        """Who the workers' games are against: shares of latest / snapshot / random / heuristic, and
+        how the snapshot share is split among the snapshots."""
         probs = {"latest": cfg.opponent_latest, "snapshot": cfg.opponent_snapshot if self.snapshots else 0.0,
                  "random": cfg.opponent_random, "heuristic": cfg.opponent_heuristic}
         if sum(probs.values()) == 0:  # only snapshots were asked for and there are none yet
             probs["random"] = 1.0
-        return {"probs": probs, "epsilon": cfg.opponent_epsilon}
+        weights = ([(1.0 - x) ** 2 for x in self.win_rates()] if cfg.snapshot_sampling == "pfsp"
+                   else [1.0] * len(self.snapshots))
+        return {"probs": probs, "epsilon": cfg.opponent_epsilon, "snapshot_weights": weights,
+                "snapshot_ids": list(self.ids)}
 
     def send(self, manager, cfg: Config) -> None:
         mixture = self.mixture(cfg)
-        manager.set_opponents(list(self.snapshots), mixture["probs"], mixture["epsilon"])
+        manager.set_opponents(list(self.snapshots), mixture["probs"], mixture["epsilon"],
+                              mixture["snapshot_weights"], mixture["snapshot_ids"])
 
     def flat(self, net_spec: dict) -> np.ndarray:
         """The snapshots as rows of flat float32 parameters, ``[snapshots, parameters]`` (for other ranks)."""
@@ -219,7 +253,8 @@ class DQNTrainer:
         self.run, self.cfg = run, cfg
         self.learner = dqn.DQNLearner.for_run(run)
         run.counters.setdefault("iteration", 0)
-        self.pool = OpponentPool(cfg.pool_size, run.resumed.get("snapshots", []) if run.resumed else [])
+        resumed = run.resumed or {}
+        self.pool = OpponentPool(cfg.pool_size, resumed.get("snapshots", []), resumed.get("snapshot_ids"))
         self.buffer = ReplayBuffer(cfg.buffer_size, env.observation_space.shape, storage_dtype(env.observation_space),
                                    env.action_space.n if env.action_mask else None, cfg.seed)
         run.log.info("%s", self.buffer.describe())
@@ -297,6 +332,7 @@ class DQNTrainer:
                 store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step)
                 episodes.append(ep)
         steps = sum(ep["length"] for ep in episodes)
+        self.pool.record(episodes)
         self.run.counters["global_step"] += steps
         self.run.record_episodes(episodes)
         results = [ep["result"] for ep in episodes if "result" in ep]
@@ -337,6 +373,8 @@ class DQNTrainer:
         if self.run.env.two_player and iteration % cfg.snapshot_interval == 0:
             self.pool.add(self.learner.q_net)
             self.pool.send(manager, cfg)
+            self.run.log.info("opponent pool: the learner's win rate against snapshots %s: %s", list(self.pool.ids),
+                              " ".join(f"{x:.2f}" for x in self.pool.win_rates()))
             if self.remote is not None:
                 self.remote.publish_pool(self.pool, cfg, self.learner.q_net.spec)
         if cfg.worker_reset_interval and iteration % cfg.worker_reset_interval == 0:
@@ -389,7 +427,8 @@ class DQNTrainer:
         return out
 
     def state_dict(self) -> dict:
-        return {**self.learner.state_dict(), "snapshots": list(self.pool.snapshots)}
+        return {**self.learner.state_dict(), "snapshots": list(self.pool.snapshots),
+                "snapshot_ids": list(self.pool.ids)}
 
     def summary(self) -> dict:
         by_rank = {"episodes_by_rank": {str(r): n for r, n in sorted(self.episodes_by_rank.items())},
@@ -498,6 +537,7 @@ def fingerprint(run) -> dict:
             "env_kwargs": run.env_kwargs, "observation": [list(env.observation_space.shape),
                                                           str(env.observation_space.dtype)],
             "actions": int(env.action_space.n), "action_mask": env.action_mask, "hidden_sizes": list(cfg.hidden_sizes),
+            "conv_channels": cfg.conv_channels,
             "max_game_length": cfg.max_game_length}
 
 
@@ -564,7 +604,8 @@ class RolloutRank:
         self.spoke = Spoke(run.dist)
         self.spoke.refuse_mismatched(fingerprint(run))
         self.obs_dtype = env.observation_space.dtype
-        model = networks.QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
+        model = networks.QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
+                                  tuple(cfg.conv_channels or ()))
         seed = cfg.seed + 1000 * run.counters.get("iteration", 0) + 1_000_003 * self.rank
         self.manager = make_manager(run, model, cfg.epsilon_start, seed, log_dir=None)  # rank 0 alone writes files
         self.learner_versions: dict[int, int] = {}  # this rank's weights version -> the learner's
@@ -626,7 +667,8 @@ class RolloutRank:
                 networks.read_flat_params(scratch, row)
                 state_dicts.append({k: v.clone() for k, v in scratch.state_dict().items()})
             mixture = control["opponents"]
-            self.manager.set_opponents(state_dicts, mixture["probs"], mixture["epsilon"])
+            self.manager.set_opponents(state_dicts, mixture["probs"], mixture["epsilon"],
+                                       mixture.get("snapshot_weights"), mixture.get("snapshot_ids"))
             self.pool_size = len(state_dicts)
             self.run.log.info("rank %d: opponent pool of %d snapshot(s) from rank 0 (pool version %d)",
                               self.rank, self.pool_size, reply.arrays_version)

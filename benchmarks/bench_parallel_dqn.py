@@ -2,7 +2,7 @@
 
     python benchmarks/bench_parallel_dqn.py throughput             # episodes/s with 1 and 2 workers, updates/s
     python benchmarks/bench_parallel_dqn.py cartpole --seeds 1 2 3 4 5
-    python benchmarks/bench_parallel_dqn.py connect-four --minutes 15
+    python benchmarks/bench_parallel_dqn.py connect-four --minutes 15 --seeds 1 2 3   # the defaults
 
 Each writes a Markdown table to benchmarks/results/parallel_dqn_<name>.md together with
 the machine's core count and load average, since timings on a shared machine move with
@@ -79,34 +79,69 @@ def bench_cartpole(opts) -> None:
     write(f"parallel_dqn_cartpole_{opts.workers}w.md", lines)
 
 
+CONNECT_FOUR_OPPONENTS = ("random", "heuristic", "search1", "search2", "search3", "search4")
+# The targets of the defaults (15 min, 2 cores, median of 3 seeds): win rates, both seats together.
+CONNECT_FOUR_TARGETS = {"random": 0.99, "heuristic": 0.90, "search1": 0.90, "search2": 0.60, "search4": 0.30}
+
+
 def bench_connect_four(opts) -> None:
-    out = Path(opts.work_dir) / f"connect_four_{opts.seed}_{int(time.time())}"
+    """The script's defaults (no flags but the seed, the duration and 100 evaluation games per seat),
+    trained for --minutes per seed, one seed after another; the final greedy evaluation per seed."""
     load_before = machine_line()
     extra = opts.extra.split() if opts.extra else []
-    result = run_training(["--config", str(ROOT / "configs" / "parallel_dqn_connect_four.yaml"),
-                           "--seed", str(opts.seed), "--num-workers", str(opts.workers),
-                           "--duration", str(opts.minutes / 60), *extra], out, opts.minutes * 60 + 300)
-    final = result.get("final_eval") or {}
-    lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play", "",
-             f"Config `configs/parallel_dqn_connect_four.yaml`{' + ' + opts.extra if opts.extra else ''}, "
-             f"{opts.workers} rollout worker(s), {opts.minutes} min of training, seed {opts.seed}. "
-             "Final evaluation: greedy policy, eval_episodes games per opponent and seat.", "",
-             f"- before: {load_before}", f"- after: {machine_line()}",
-             f"- command: `python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes} "
-             f"--workers {opts.workers} --seed {opts.seed}{' --extra ' + repr(opts.extra) if opts.extra else ''}`",
-             f"- exit status {result['returncode']}, reason: {result.get('stop_reason')}, "
-             f"episodes {result.get('episodes')}, "
-             f"env steps {result.get('global_step')}, gradient updates {result.get('updates')}", "",
-             "| opponent | win (both seats) | win as first | win as second | draw | loss |",
-             "|---|---|---|---|---|---|"]
-    for opponent in ("random", "heuristic"):
-        if f"eval_win_{opponent}" in final:
-            lines.append(f"| {opponent} | {final[f'eval_win_{opponent}']:.1%} "
-                         f"| {final[f'eval_win_{opponent}_first']:.1%} "
-                         f"| {final[f'eval_win_{opponent}_second']:.1%} | {final[f'eval_draw_{opponent}']:.1%} | "
-                         f"{final[f'eval_loss_{opponent}']:.1%} |")
-    lines += ["", "Targets: at least 95 % against random and 70 % against the heuristic within 15 minutes on 2 cores."]
-    write(f"parallel_dqn_connect_four_{opts.minutes}min.md", lines)
+    runs = []
+    for seed in opts.seeds:
+        out = Path(opts.work_dir) / f"connect_four_{seed}_{int(time.time())}"
+        result = run_training(["--seed", str(seed), "--duration", str(opts.minutes / 60), "--eval-episodes",
+                               str(opts.games // 2), "--no-tensorboard", *extra], out, opts.minutes * 60 + 600)
+        runs.append((seed, out, result))
+        final = result.get("final_eval") or {}
+        print(f"seed {seed}: exit {result['returncode']} " + " ".join(
+            f"{o} {final.get(f'eval_win_{o}', float('nan')):.0%}" for o in CONNECT_FOUR_OPPONENTS), flush=True)
+    command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds "
+               f"{' '.join(map(str, opts.seeds))} --games {opts.games}"
+               f"{' --extra ' + repr(opts.extra) if opts.extra else ''}")
+    lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
+             f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: self-play against "
+             "the latest policy, past snapshots drawn by prioritized fictitious self-play and a random player; "
+             f"neither the heuristic nor the search players take part in training), {opts.minutes:g} min of "
+             f"training per seed, {len(opts.seeds)} seed(s) one after another. Final evaluation: the greedy policy, "
+             f"{opts.games} games per opponent ({opts.games // 2} from each seat).", "",
+             f"- before: {load_before}", f"- after: {machine_line()}", f"- command: `{command}`", ""]
+    lines += ["| seed | exit | stop reason | episodes | env steps | gradient updates | run |",
+              "|---|---|---|---|---|---|---|"]
+    for seed, out, r in runs:
+        lines.append(f"| {seed} | {r['returncode']} | {r.get('stop_reason')} | {r.get('episodes')} | "
+                     f"{r.get('global_step')} | {r.get('updates')} | `{out.name}` |")
+    lines += ["", "Win / draw / loss against each opponent, both seats together (per seed, then the median of the "
+              "win rates):", "",
+              "| opponent | " + " | ".join(f"seed {seed}" for seed, _, _ in runs) + " | median win | target |",
+              "|---|" + "---|" * len(runs) + "---|---|"]
+    for opponent in CONNECT_FOUR_OPPONENTS:
+        cells, wins = [], []
+        for _, _, r in runs:
+            final = r.get("final_eval") or {}
+            if f"eval_win_{opponent}" not in final:
+                cells.append("-")
+                continue
+            wins.append(final[f"eval_win_{opponent}"])
+            cells.append(f"{final[f'eval_win_{opponent}']:.1%} / {final[f'eval_draw_{opponent}']:.1%} / "
+                         f"{final[f'eval_loss_{opponent}']:.1%}")
+        median = f"{statistics.median(wins):.1%}" if wins else "-"
+        target = CONNECT_FOUR_TARGETS.get(opponent)
+        lines.append(f"| {opponent} | " + " | ".join(cells) + f" | **{median}** | "
+                     f"{f'>= {target:.0%}' if target else '-'} |")
+    lines += ["", "Win rate as first / as second player (per seed):", "",
+              "| opponent | " + " | ".join(f"seed {seed}" for seed, _, _ in runs) + " |",
+              "|---|" + "---|" * len(runs)]
+    for opponent in CONNECT_FOUR_OPPONENTS:
+        cells = []
+        for _, _, r in runs:
+            final = r.get("final_eval") or {}
+            cells.append(f"{final[f'eval_win_{opponent}_first']:.1%} / {final[f'eval_win_{opponent}_second']:.1%}"
+                         if f"eval_win_{opponent}_first" in final else "-")
+        lines.append(f"| {opponent} | " + " | ".join(cells) + " |")
+    write(f"parallel_dqn_connect_four_{opts.minutes:g}min.md", lines)
 
 
 def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -> tuple[float, float]:
@@ -207,10 +242,10 @@ def main() -> None:
     cartpole.add_argument("--workers", type=int, default=1)
     cartpole.add_argument("--timeout", type=float, default=600)
     cartpole.add_argument("--extra", default="", help="more flags for the training script, in one string")
-    c4 = sub.add_parser("connect-four", help="self-play win rates after a fixed training time")
+    c4 = sub.add_parser("connect-four", help="the defaults' win rates against held-out players after a fixed time")
     c4.add_argument("--minutes", type=float, default=15)
-    c4.add_argument("--workers", type=int, default=1)
-    c4.add_argument("--seed", type=int, default=1)
+    c4.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    c4.add_argument("--games", type=int, default=200, help="evaluation games per opponent (half from each seat)")
     c4.add_argument("--extra", default="", help="more flags for the training script, in one string")
     throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
     throughput.add_argument("--seconds", type=float, default=10)

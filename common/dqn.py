@@ -131,7 +131,8 @@ class DQNLearner:
         # Also when the workers wait for the learner (sync modes): torch's idle threads spin-wait, and
         # next to polling workers a second learner thread made updates several times slower, not faster.
         torch.set_num_threads(max(1, usable_cores() - cfg.num_workers))
-        q_net = QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
+        q_net = QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
+                         tuple(getattr(cfg, "conv_channels", None) or ()))
         learner = cls(q_net, torch.device(resolve_device(cfg.device)), cfg.learning_rate, cfg.max_grad_norm,
                       cfg.target_update_interval, cfg.tau, getattr(cfg, "grad_accum_steps", 1), cfg.mixed_precision)
         if run.resumed is not None:

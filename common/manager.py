@@ -848,9 +848,11 @@ class ParallelManager:
         return self.synchronizer.version
 
     def set_opponents(self, snapshots: list[nn.Module | dict[str, torch.Tensor]], probs: dict[str, float],
-                      epsilon: float = 0.0) -> None:
+                      epsilon: float = 0.0, snapshot_weights: list[float] | None = None,
+                      snapshot_ids: list[int] | None = None) -> None:
         """Opponent mixture for two-player envs: ``probs`` over latest / snapshot / random / heuristic
-        (see :mod:`common.envs.selfplay`); ``snapshots`` are past weights of the learner."""
+        (see :mod:`common.envs.selfplay`); ``snapshots`` are past weights of the learner, drawn in
+        proportion to ``snapshot_weights`` (evenly without) and named in episodes by ``snapshot_ids``."""
         if len(snapshots) > self.config.opponent_slots:
             raise ValueError(f"{len(snapshots)} snapshots, but opponent_slots is {self.config.opponent_slots}")
         scratch = copy.deepcopy(self.model) if any(isinstance(s, dict) for s in snapshots) else None
@@ -860,7 +862,8 @@ class ParallelManager:
             else:
                 self._check_shapes(snapshot, "set_opponents")
             self.params.publish(scratch if isinstance(snapshot, dict) else snapshot, slot)
-        self._opponents = {"slots": list(range(1, len(snapshots) + 1)), "probs": dict(probs), "epsilon": epsilon}
+        self._opponents = {"slots": list(range(1, len(snapshots) + 1)), "probs": dict(probs), "epsilon": epsilon,
+                           "snapshot_weights": snapshot_weights, "snapshot_ids": snapshot_ids}
         self.communicator.broadcast("opponents", self._opponents)
 
     # -- experience

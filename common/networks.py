@@ -91,10 +91,38 @@ class Flat(nn.Flatten):
         return obs.flatten(1).float()
 
 
-def encoder(observation_space: gym.Space) -> tuple[nn.Module, int]:
-    """The observation encoder, chosen by the observation: a Nature CNN for images, else none."""
+class BoardCNN(nn.Module):
+    """3x3 convolutions over a small board of planes (float, channels first, e.g. Connect Four's
+    2x6x7), padded so every cell keeps its place: the same pattern (three in a row, a blocked
+    column) is recognised wherever it stands, which an MLP must learn cell by cell."""
+
+    def __init__(self, observation_space: gym.Space, channels: tuple[int, ...]):
+        super().__init__()
+        planes, height, width = observation_space.shape
+        layers: list[nn.Module] = []
+        for out in channels:
+            layers += [layer_init(nn.Conv2d(planes, out, 3, padding=1)), nn.ReLU()]
+            planes = out
+        self.conv = nn.Sequential(*layers, nn.Flatten())
+        self.out_dim = planes * height * width
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.conv(obs.float())
+
+
+def is_board(space: gym.Space) -> bool:
+    """Planes of a small board: a float observation of rank 3, channels first (not a picture)."""
+    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and not is_image(space)
+
+
+def encoder(observation_space: gym.Space, conv_channels: tuple[int, ...] = ()) -> tuple[nn.Module, int]:
+    """The observation encoder, chosen by the observation: a Nature CNN for images, 3x3
+    convolutions for a board when ``conv_channels`` are given, else none."""
     if is_image(observation_space):
         return NatureCNN(observation_space), NatureCNN.out_dim
+    if conv_channels and is_board(observation_space):
+        board = BoardCNN(observation_space, tuple(conv_channels))
+        return board, board.out_dim
     return Flat(), obs_dim(observation_space)
 
 
@@ -179,16 +207,19 @@ class ActorCritic(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """One Q-value per discrete action: an MLP, or for images a Nature CNN and a linear head."""
+    """One Q-value per discrete action: an MLP, or for images a Nature CNN and a linear head;
+    for a board (:func:`is_board`) with ``conv_channels``, 3x3 convolutions and then the MLP."""
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
-                 hidden: tuple[int, ...] = (128, 128)):
+                 hidden: tuple[int, ...] = (128, 128), conv_channels: tuple[int, ...] = ()):
         super().__init__()
         if not isinstance(action_space, gym.spaces.Discrete):
             raise ValueError(f"DQN needs a Discrete action space, not {action_space}")
         self.spec = {"class": "QNetwork", "observation_space": space_spec(observation_space),
                      "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": "relu"}
-        self.trunk, in_dim = encoder(observation_space)
+        if conv_channels and is_board(observation_space):  # absent otherwise: older checkpoints' specs stay valid
+            self.spec["conv_channels"] = list(conv_channels)
+        self.trunk, in_dim = encoder(observation_space, conv_channels)
         hidden = () if is_image(observation_space) else tuple(hidden)
         self.net = mlp(in_dim, hidden, int(action_space.n), out_std=1.0, activation=nn.ReLU)
 
@@ -200,7 +231,7 @@ def build_network(spec: dict) -> nn.Module:
     """The (untrained) network a ``spec`` describes; load a checkpoint's ``model`` into it."""
     spaces = space_from_spec(spec["observation_space"]), space_from_spec(spec["action_space"])
     if spec["class"] == "QNetwork":
-        return QNetwork(*spaces, tuple(spec["hidden_sizes"]))
+        return QNetwork(*spaces, tuple(spec["hidden_sizes"]), tuple(spec.get("conv_channels", ())))
     return ActorCritic(*spaces, tuple(spec["hidden_sizes"]), spec.get("activation", "tanh"),
                        spec.get("log_std_init", 0.0))
 

@@ -244,3 +244,82 @@ def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
     assert summary["iterations"] == 1 and summary["episodes"] == 4
     (row,) = read_metrics(tmp_path / "run" / "metrics.csv")
     assert float(row["buffer_size"]) == 2 * float(row["global_step"]) and float(row["eval_win_random"]) >= 0
+
+
+# ------------------------------------------------------------------------ self-play that generalizes
+
+def test_the_default_training_mix_holds_neither_search_players_nor_the_heuristic():
+    """The players evaluation judges by stay out of the default training mix (with and without snapshots),
+    so the win rates against them measure play the policy never trained against."""
+    from common.envs.connect_four import HELD_OUT_PLAYERS, check_training_opponents
+
+    cfg = parallel_train_dqn.Config()
+    pool = parallel_train_dqn.OpponentPool(cfg.pool_size)
+    for snapshots in (0, 2):
+        for _ in range(snapshots):
+            pool.add(nn.Linear(2, 2))
+        probs = pool.mixture(cfg)["probs"]
+        check_training_opponents(probs)  # raises on a held-out player
+        assert not set(probs) & set(HELD_OUT_PLAYERS) and probs["heuristic"] == 0, probs
+        assert probs["latest"] > 0 and probs["random"] > 0
+    assert cfg.total_episodes is None and cfg.duration == 0.25  # the budget is wall time, not an episode count
+
+
+def test_pfsp_draws_the_snapshots_that_beat_the_learner():
+    """snapshot_sampling pfsp: a snapshot the learner always beats is drawn far less than one that always
+    beats it; games against other players leave the rates alone; uniform splits the share evenly."""
+    pool = parallel_train_dqn.OpponentPool(3)
+    for _ in range(3):
+        pool.add(nn.Linear(2, 2))
+    assert list(pool.ids) == [0, 1, 2] and pool.win_rates() == [0.5] * 3
+    pool.record([{"opponent": 0.0, "result": 1.0}] * 50 + [{"opponent": 1.0, "result": -1.0}] * 50
+                + [{"opponent": -1.0, "result": -1.0}] * 50)
+    assert pool.win_rates() == pytest.approx([51 / 52, 1 / 52, 0.5])
+    weights = pool.mixture(parallel_train_dqn.Config())["snapshot_weights"]
+    assert weights[1] > 100 * weights[0] and weights[1] > weights[2] > weights[0]
+    uniform = pool.mixture(parallel_train_dqn.Config(snapshot_sampling="uniform"))
+    assert uniform["snapshot_weights"] == [1.0] * 3 and uniform["snapshot_ids"] == [0, 1, 2]
+    pool.add(nn.Linear(2, 2))  # the oldest leaves the pool, and its results with it
+    assert list(pool.ids) == [1, 2, 3] and sorted(pool.results) == [1, 2, 3]
+    with pytest.raises(ConfigError, match="--snapshot-sampling .league.: must be pfsp or uniform"):
+        parallel_train_dqn.Config(snapshot_sampling="league").validate()
+
+
+def test_a_game_against_a_snapshot_ends_with_its_id():
+    """The env reports who each game was against, and the mixture draws snapshots by their weights."""
+    from common.envs.connect_four import ConnectFourVectorEnv, RandomPlayer
+    from common.envs.selfplay import opponent_mixture
+
+    class Policy:  # a snapshot's inference policy: any legal move
+        def act(self, obs, mask, epsilon, rng):
+            return RandomPlayer(0).act(obs, mask)
+
+    rng = np.random.default_rng(0)
+    payload = {"probs": {"snapshot": 1.0}, "snapshot_weights": [0.0, 1.0], "snapshot_ids": [7, 9]}
+    env = ConnectFourVectorEnv(16, opponent=opponent_mixture(payload, None, [Policy(), Policy()], 16, rng), seed=0)
+    obs, info = env.reset(seed=0)
+    labels = []
+    for _ in range(60):
+        obs, _, done, _, info = env.step(RandomPlayer(1).act(obs, info["action_mask"]))
+        if done.any():
+            labels += info["final_info"]["opponent"][done].tolist()
+    assert len(labels) >= 16 and set(labels) == {9}
+
+
+def test_the_conv_q_network_is_rebuilt_from_its_spec():
+    """--conv-channels puts 3x3 convolutions before the MLP on a board (what a checkpoint's policy spec
+    rebuilds); a vector observation keeps the plain MLP, and so does a spec without the key."""
+    import gymnasium as gym
+
+    from common.networks import BoardCNN, QNetwork, build_network
+
+    board, actions = gym.spaces.Box(0.0, 1.0, (2, 6, 7), np.float32), gym.spaces.Discrete(7)
+    net = QNetwork(board, actions, (32,), (8, 8))
+    assert isinstance(net.trunk, BoardCNN) and net.spec["conv_channels"] == [8, 8]
+    again = build_network(net.spec)
+    again.load_state_dict(net.state_dict())
+    obs = torch.rand(5, 2, 6, 7)
+    assert again(obs).shape == (5, 7) and torch.equal(again(obs), net(obs))
+    vector = QNetwork(gym.spaces.Box(-1.0, 1.0, (4,), np.float32), gym.spaces.Discrete(2), (32,), (8, 8))
+    assert "conv_channels" not in vector.spec and not isinstance(vector.trunk, BoardCNN)
+    assert "conv_channels" not in QNetwork(board, actions, (32,)).spec

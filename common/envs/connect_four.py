@@ -13,7 +13,8 @@ playing a full column raises ``ValueError`` (masked actions must never be chosen
 Reward: +1 win, -1 loss, 0 draw or game going on. One step is the learner's move plus
 the opponent's reply, so a game lasts at most 21 steps. ``result`` (1 win, 0 draw,
 -1 loss) is in ``info`` (single env) or ``info["final_info"]`` (vector env) when a
-game ends.
+game ends; in the vector env also ``opponent``, the label of the game's opponent, when the
+opponent has ``game_labels(env_ids)`` (a self-play mixture: common/envs/selfplay.py).
 
 Render modes of the single env: ``"ansi"`` (X learner, O opponent) and ``"rgb_array"`` (a blue
 board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
@@ -461,6 +462,11 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
             infos["final_obs"] = obs.copy()
             infos["_final_obs"] = done.copy()
             infos["final_info"] = {"result": np.where(done, result, 0.0), "_result": done.copy()}
+            game_labels = getattr(self.opponent, "game_labels", None)
+            if game_labels is not None:  # who each game was against (a self-play pool's snapshot id)
+                labels = np.zeros(self.num_envs)
+                labels[done] = game_labels(np.flatnonzero(done))
+                infos["final_info"].update(opponent=labels, _opponent=done.copy())
             self._start_games(np.flatnonzero(done))
             obs = observe(self.boards)
         infos["action_mask"] = legal_mask(self.heights)

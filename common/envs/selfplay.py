@@ -5,11 +5,15 @@ A two-player built-in takes its opponent through ``env.set_opponent(player)``: a
 optionally, ``start_games(env_ids)`` (called when games begin). :func:`opponent_mixture`
 builds the self-play opponent from an *opponent payload*, a plain dict the learner sends:
 
-    {"probs": {"latest": p, "snapshot": p, "random": p, "heuristic": p}, "epsilon": eps, ...}
+    {"probs": {"latest": p, "snapshot": p, "random": p, "heuristic": p}, "epsilon": eps,
+     "snapshot_weights": [w, ...], "snapshot_ids": [id, ...]}
 
 Each game draws one player: the learner's latest policy, one of the past snapshots (the
-share of "snapshot" split evenly among them), or a fixed player by name (``random``,
-``heuristic``). Policy players act epsilon-greedily over legal moves, so games do not repeat.
+share of "snapshot" split among them in proportion to ``snapshot_weights``, evenly without
+them), or a fixed player by name (``random``, ``heuristic``). Policy players act
+epsilon-greedily over legal moves, so games do not repeat. A game against a snapshot ends
+with that snapshot's id in the env's episode info (``opponent``; -1 for any other player),
+which is how the learner learns which snapshots still beat it (prioritized fictitious self-play).
 """
 
 from __future__ import annotations
@@ -35,14 +39,24 @@ class PolicyPlayer:
         return self.policy.act(obs, action_mask, self.epsilon, self.rng)
 
 
-class MixturePlayer:
-    """Draws one player per game from ``players`` with ``probs``, and plays it for that game."""
+NOT_A_SNAPSHOT = -1  # the ``opponent`` of a game against the latest policy or a fixed player
 
-    def __init__(self, players: list, probs: list[float], num_envs: int, rng: np.random.Generator):
+
+class MixturePlayer:
+    """Draws one player per game from ``players`` with ``probs``, and plays it for that game;
+    ``labels`` (one number per player) name the player of a game (:meth:`game_labels`)."""
+
+    def __init__(self, players: list, probs: list[float], num_envs: int, rng: np.random.Generator,
+                 labels: list[float] | None = None):
         self.players = players
         self.probs = np.asarray(probs, dtype=np.float64) / np.sum(probs)
+        self.labels = np.asarray(labels if labels is not None else [NOT_A_SNAPSHOT] * len(players), dtype=np.float64)
         self.rng = rng
         self.assigned = self.rng.choice(len(players), size=num_envs, p=self.probs)
+
+    def game_labels(self, env_ids: np.ndarray) -> np.ndarray:
+        """The label of the player each of the games ``env_ids`` is against (read before they restart)."""
+        return self.labels[self.assigned[env_ids]]
 
     def start_games(self, env_ids: np.ndarray) -> None:
         self.assigned[env_ids] = self.rng.choice(len(self.players), size=len(env_ids), p=self.probs)
@@ -65,17 +79,21 @@ def opponent_mixture(payload: dict[str, Any], latest: Any, snapshots: list[Any],
     """
     check_training_opponents(payload.get("probs", {}))  # the search players judge training, never take part
     epsilon = float(payload.get("epsilon", 0.0))
-    players, probs = [], []
+    players, probs, labels = [], [], []
     for name, prob in payload.get("probs", {}).items():
-        if prob <= 0:
+        if prob <= 0 or (name == "snapshot" and not snapshots):
             continue
         if name == "latest":
             players.append(PolicyPlayer(latest, epsilon, rng))
-            probs.append(prob)
         elif name == "snapshot":
+            weights = np.asarray(payload.get("snapshot_weights") or [1.0] * len(snapshots), dtype=np.float64)
+            ids = payload.get("snapshot_ids") or [NOT_A_SNAPSHOT] * len(snapshots)
             players += [PolicyPlayer(policy, epsilon, rng) for policy in snapshots]
-            probs += [prob / len(snapshots)] * len(snapshots)
+            probs += list(prob * weights / weights.sum())
+            labels += list(ids)
+            continue
         else:
             players.append(make_player(name, int(rng.integers(2**31 - 1))))
-            probs.append(prob)
-    return MixturePlayer(players, probs, num_envs, rng) if players else None
+        probs.append(prob)
+        labels.append(NOT_A_SNAPSHOT)
+    return MixturePlayer(players, probs, num_envs, rng, labels) if players else None
