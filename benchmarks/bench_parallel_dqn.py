@@ -85,63 +85,99 @@ CONNECT_FOUR_TARGETS = {"random": 0.99, "heuristic": 0.90, "search1": 0.90, "sea
 
 
 def bench_connect_four(opts) -> None:
-    """The script's defaults (no flags but the seed, the duration and 100 evaluation games per seat),
-    trained for --minutes per seed, one seed after another; the final greedy evaluation per seed."""
+    """The script's defaults (no flags but the seed, the duration and --games evaluation games per
+    opponent), trained for --minutes per seed, one seed after another; or, with --runs, the report
+    of runs made before (their summary.json and metrics.csv)."""
     load_before = machine_line()
-    extra = opts.extra.split() if opts.extra else []
     runs = []
-    for seed in opts.seeds:
+    if opts.runs:
+        for out in map(Path, opts.runs):
+            summary = json.loads((out / "summary.json").read_text())
+            runs.append((summary["seed"], out, {"returncode": summary.get("exit_code"), **summary}))
+        started = min((out / "config.yaml").stat().st_mtime for _, out, _ in runs)
+        ended = max((out / "summary.json").stat().st_mtime for _, out, _ in runs)
+        load_before = (f"trained {datetime.fromtimestamp(started, UTC):%Y-%m-%d %H:%M} to "
+                       f"{datetime.fromtimestamp(ended, UTC):%H:%M} UTC; this report rebuilt from their run "
+                       f"directories with --runs")
+    for seed in [] if opts.runs else opts.seeds:
         out = Path(opts.work_dir) / f"connect_four_{seed}_{int(time.time())}"
         result = run_training(["--seed", str(seed), "--duration", str(opts.minutes / 60), "--eval-episodes",
-                               str(opts.games // 2), "--no-tensorboard", *extra], out, opts.minutes * 60 + 600)
+                               str(opts.games // 2), "--no-tensorboard", *opts.extra.split()], out,
+                              opts.minutes * 60 + 600)
         runs.append((seed, out, result))
         final = result.get("final_eval") or {}
         print(f"seed {seed}: exit {result['returncode']} " + " ".join(
             f"{o} {final.get(f'eval_win_{o}', float('nan')):.0%}" for o in CONNECT_FOUR_OPPONENTS), flush=True)
-    command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds "
-               f"{' '.join(map(str, opts.seeds))} --games {opts.games}"
-               f"{' --extra ' + repr(opts.extra) if opts.extra else ''}")
+    seeds = " ".join(str(seed) for seed, _, _ in runs)
+    command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds {seeds} "
+               f"--games {opts.games}{' --extra ' + repr(opts.extra) if opts.extra else ''}")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
              f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: self-play against "
              "the latest policy, past snapshots drawn by prioritized fictitious self-play and a random player; "
              f"neither the heuristic nor the search players take part in training), {opts.minutes:g} min of "
-             f"training per seed, {len(opts.seeds)} seed(s) one after another. Final evaluation: the greedy policy, "
+             f"training per seed, {len(runs)} seed(s) one after another. Final evaluation: the greedy policy, "
              f"{opts.games} games per opponent ({opts.games // 2} from each seat).", "",
-             f"- before: {load_before}", f"- after: {machine_line()}", f"- command: `{command}`", ""]
-    lines += ["| seed | exit | stop reason | episodes | env steps | gradient updates | run |",
-              "|---|---|---|---|---|---|---|"]
+             f"- before: {load_before}", f"- after: {machine_line()}", f"- command: `{command}`", "",
+             "| seed | exit | stop reason | episodes | env steps | gradient updates | run |",
+             "|---|---|---|---|---|---|---|"]
     for seed, out, r in runs:
         lines.append(f"| {seed} | {r['returncode']} | {r.get('stop_reason')} | {r.get('episodes')} | "
                      f"{r.get('global_step')} | {r.get('updates')} | `{out.name}` |")
-    lines += ["", "Win / draw / loss against each opponent, both seats together (per seed, then the median of the "
-              "win rates):", "",
-              "| opponent | " + " | ".join(f"seed {seed}" for seed, _, _ in runs) + " | median win | target |",
-              "|---|" + "---|" * len(runs) + "---|---|"]
+    lines += connect_four_table(runs) + connect_four_curve(runs)
+    write(f"parallel_dqn_connect_four_{opts.minutes:g}min.md", lines)
+
+
+def connect_four_table(runs: list) -> list[str]:
+    """Win / draw / loss of the final evaluation per seed and opponent, the median win rate, the target."""
+    header = " | ".join(f"seed {seed}" for seed, _, _ in runs)
+    lines = ["", "Win / draw / loss against each opponent, both seats together (per seed, then the median of the "
+             "win rates):", "", f"| opponent | {header} | median win | target |",
+             "|---|" + "---|" * len(runs) + "---|---|"]
     for opponent in CONNECT_FOUR_OPPONENTS:
         cells, wins = [], []
         for _, _, r in runs:
             final = r.get("final_eval") or {}
-            if f"eval_win_{opponent}" not in final:
+            if f"eval_win_{opponent}" in final:
+                wins.append(final[f"eval_win_{opponent}"])
+                cells.append(" / ".join(f"{final[f'eval_{what}_{opponent}']:.1%}" for what in ("win", "draw", "loss")))
+            else:
                 cells.append("-")
-                continue
-            wins.append(final[f"eval_win_{opponent}"])
-            cells.append(f"{final[f'eval_win_{opponent}']:.1%} / {final[f'eval_draw_{opponent}']:.1%} / "
-                         f"{final[f'eval_loss_{opponent}']:.1%}")
         median = f"{statistics.median(wins):.1%}" if wins else "-"
         target = CONNECT_FOUR_TARGETS.get(opponent)
-        lines.append(f"| {opponent} | " + " | ".join(cells) + f" | **{median}** | "
-                     f"{f'>= {target:.0%}' if target else '-'} |")
-    lines += ["", "Win rate as first / as second player (per seed):", "",
-              "| opponent | " + " | ".join(f"seed {seed}" for seed, _, _ in runs) + " |",
-              "|---|" + "---|" * len(runs)]
+        goal = f">= {target:.0%}" if target else "-"
+        lines.append(f"| {opponent} | " + " | ".join(cells) + f" | **{median}** | {goal} |")
+    lines += ["", "Win rate as first / as second player:", "", f"| opponent | {header} |", "|---|" + "---|" * len(runs)]
     for opponent in CONNECT_FOUR_OPPONENTS:
-        cells = []
-        for _, _, r in runs:
-            final = r.get("final_eval") or {}
-            cells.append(f"{final[f'eval_win_{opponent}_first']:.1%} / {final[f'eval_win_{opponent}_second']:.1%}"
-                         if f"eval_win_{opponent}_first" in final else "-")
+        cells = [f"{f[f'eval_win_{opponent}_first']:.1%} / {f[f'eval_win_{opponent}_second']:.1%}"
+                 if f"eval_win_{opponent}_first" in (f := r.get("final_eval") or {}) else "-" for _, _, r in runs]
         lines.append(f"| {opponent} | " + " | ".join(cells) + " |")
-    write(f"parallel_dqn_connect_four_{opts.minutes:g}min.md", lines)
+    return lines
+
+
+def connect_four_curve(runs: list, every_s: float = 180.0) -> list[str]:
+    """The training curve in numbers: each seed's win rates at the last evaluation before every
+    ``every_s`` seconds of training (metrics.csv), then the final one."""
+    from common.runlog import read_metrics
+
+    lines = ["", f"Training curve: win rate at the last evaluation before each {every_s / 60:g} minutes "
+             "(metrics.csv; 200 games per opponent), then the final evaluation:", "",
+             "| seed | minute | env steps | " + " | ".join(CONNECT_FOUR_OPPONENTS) + " |",
+             "|---|---|---|" + "---|" * len(CONNECT_FOUR_OPPONENTS)]
+    for seed, out, r in runs:
+        rows = [row for row in read_metrics(out / "metrics.csv") if row.get("eval_win_random") not in (None, "")]
+        shown = []
+        for k in range(1, int(float(rows[-1]["wall_time"]) // every_s) + 1 if rows else 1):
+            before = [row for row in rows if float(row["wall_time"]) <= k * every_s]
+            if before and before[-1] not in shown:
+                shown.append(before[-1])
+        for row in shown:
+            lines.append(f"| {seed} | {float(row['wall_time']) / 60:.1f} | {row['global_step']} | " + " | ".join(
+                f"{float(row[f'eval_win_{o}']):.0%}" for o in CONNECT_FOUR_OPPONENTS) + " |")
+        final = r.get("final_eval") or {}
+        if final:
+            lines.append(f"| {seed} | final | {r.get('global_step')} | " + " | ".join(
+                f"{final[f'eval_win_{o}']:.0%}" for o in CONNECT_FOUR_OPPONENTS) + " |")
+    return lines
 
 
 def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -> tuple[float, float]:
@@ -246,6 +282,7 @@ def main() -> None:
     c4.add_argument("--minutes", type=float, default=15)
     c4.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     c4.add_argument("--games", type=int, default=200, help="evaluation games per opponent (half from each seat)")
+    c4.add_argument("--runs", nargs="+", help="report on these run directories of earlier runs instead of training")
     c4.add_argument("--extra", default="", help="more flags for the training script, in one string")
     throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
     throughput.add_argument("--seconds", type=float, default=10)

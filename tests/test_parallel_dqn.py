@@ -152,8 +152,10 @@ def test_self_play_beats_random(tmp_path):
     # 100 greedy games from each seat; a random player wins about half its games against random
     assert final["eval_win_random"] > 0.65, final
     assert final["eval_win_random_first"] > 0.55 and final["eval_win_random_second"] > 0.55, final
-    snapshots = load_checkpoint(run / "checkpoints" / "latest.pt")["snapshots"]
-    assert 1 <= len(snapshots) <= 10  # the opponent pool is saved with the learner
+    checkpoint = load_checkpoint(run / "checkpoints" / "latest.pt")
+    snapshots, ids = checkpoint["snapshots"], checkpoint["snapshot_ids"]
+    assert 1 <= len(snapshots) <= 10 and len(ids) == len(snapshots)  # the opponent pool is saved with the learner
+    assert ids == list(range(ids[0], ids[0] + len(ids)))  # the newest snapshots, oldest first
 
 
 # ------------------------------------------------------------------------ symmetries an env declares
@@ -281,6 +283,9 @@ def test_pfsp_draws_the_snapshots_that_beat_the_learner():
     assert uniform["snapshot_weights"] == [1.0] * 3 and uniform["snapshot_ids"] == [0, 1, 2]
     pool.add(nn.Linear(2, 2))  # the oldest leaves the pool, and its results with it
     assert list(pool.ids) == [1, 2, 3] and sorted(pool.results) == [1, 2, 3]
+    resumed = parallel_train_dqn.OpponentPool(3, list(pool.snapshots), list(pool.ids))  # --resume
+    resumed.add(nn.Linear(2, 2))
+    assert list(resumed.ids) == [2, 3, 4]  # ids go on from the checkpoint's, never reused
     with pytest.raises(ConfigError, match="--snapshot-sampling .league.: must be pfsp or uniform"):
         parallel_train_dqn.Config(snapshot_sampling="league").validate()
 
