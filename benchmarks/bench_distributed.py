@@ -39,8 +39,12 @@ MODES = {
     "dqn": ("parallel_train_dqn.py", ["--config", "configs/parallel_dqn_cartpole.yaml", "--target-return", "none",
                                       "--total-episodes", "none", "--eval-interval", "0"]),
     "population": ("train_ppo_multiprocess.py", ["--env-id", "CartPole-v1", "--target-return", "none",
-                                                 "--max-steps-per-worker", "none", "--eval-episodes", "2"]),
+                                                 "--max-steps-per-worker", "none", "--eval-episodes", "2",
+                                                 "--threads-per-worker", "1"]),
 }
+# Two torchrun agents on one machine each see every core (LOCAL_WORLD_SIZE is 1 in each), so left to
+# itself a member on each of the two "nodes" would take 2 torch threads: 4 on 2 cores, which real nodes
+# never share. One thread per member, as the single node gives its 2 members, compares like with like.
 
 
 def free_port() -> int:
