@@ -172,7 +172,8 @@ class OpponentPool:
         self.ids: deque[int] = deque(ids if ids and len(ids) == len(snapshots) else range(len(snapshots)),
                                      maxlen=pool_size)
         self.next_id = max(self.ids, default=-1) + 1
-        self.results: dict[int, deque[float]] = {}  # snapshot id -> the learner's last results against it (1 = won)
+        # snapshot id -> the learner's last results against it (1 = won); resumed snapshots are measured afresh
+        self.results: dict[int, deque[float]] = {i: deque(maxlen=PFSP_WINDOW) for i in self.ids}
 
     def add(self, model) -> None:
         self.snapshots.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
@@ -189,7 +190,7 @@ class OpponentPool:
 
     def win_rates(self) -> list[float]:
         """The learner's win rate against each snapshot (1/2 before any game against it)."""
-        return [(sum(self.results.get(i, ())) + 1) / (len(self.results.get(i, ())) + 2) for i in self.ids]
+        return [(sum(self.results[i]) + 1) / (len(self.results[i]) + 2) for i in self.ids]
 
     def mixture(self, cfg: Config) -> dict:
         """Who the workers' games are against: shares of latest / snapshot / random / heuristic, and

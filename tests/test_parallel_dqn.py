@@ -284,6 +284,8 @@ def test_pfsp_draws_the_snapshots_that_beat_the_learner():
     pool.add(nn.Linear(2, 2))  # the oldest leaves the pool, and its results with it
     assert list(pool.ids) == [1, 2, 3] and sorted(pool.results) == [1, 2, 3]
     resumed = parallel_train_dqn.OpponentPool(3, list(pool.snapshots), list(pool.ids))  # --resume
+    resumed.record([{"opponent": 2.0, "result": 1.0}] * 2)  # resumed snapshots are measured at once
+    assert resumed.win_rates() == pytest.approx([0.5, 0.75, 0.5])
     resumed.add(nn.Linear(2, 2))
     assert list(resumed.ids) == [2, 3, 4]  # ids go on from the checkpoint's, never reused
     with pytest.raises(ConfigError, match="--snapshot-sampling .league.: must be pfsp or uniform"):
