@@ -5,17 +5,24 @@
     python -m common.evaluate runs/train_parallel_timed/... --render                # a window, where possible
     python -m common.evaluate runs/train_ppo_multiprocess/... --member 3            # one agent of a population
     python -m common.evaluate CHECKPOINT --export policy.onnx                       # ONNX, checked against torch
+    python -m common.evaluate runs/parallel_train_dqn/... --search-depth 2          # ConnectFour: 2-ply lookahead
 
 The env and the policy are rebuilt from what the run saved (the checkpoint's ``env`` and
-``policy`` entries), so no other flag is needed. Episodes are played greedily on seeds the
-training never used. Besides the return, a built-in env reports its own score (ConnectFour win
-rates against the random and the heuristic player, GridCoverage coverage, Market profit). A two-player
+``policy`` entries), so no other flag is needed. Episodes are played greedily (or through a
+lookahead, below) on seeds the training never used. Besides the return, a built-in env reports
+its own score (ConnectFour win rates against the random and the heuristic player, GridCoverage
+coverage, Market profit). A two-player
 built-in whose module names ``EVALUATION_OPPONENTS`` (ConnectFour: random, heuristic and the search
 players search1-4, which no training mix may contain) is also played ``--episodes`` games against each,
-from each seat, and reports win, draw and loss rates per seat and for both together. The report
-names the checkpoint it played, the script and step that wrote it and, for an agent of a population,
-its member number. Exit status: 0, or 2 with one line for a path that holds no usable checkpoint, an
-env that cannot be recorded (no rgb_array mode) or shown, or flags that exclude each other.
+from each seat, and reports win, draw and loss rates per seat and for both together.
+``--search-depth N`` (default 0: greedy) plays every episode and game of the report through a
+depth-N lookahead over the run's Q-network instead, for a two-player built-in whose env module
+offers one (its ``LookaheadPlayer``; ConnectFour: a negamax with the rules' wins and draws and the
+network's values at the leaves); the report says the depth it played with (``search_depth``). The
+report names the checkpoint it played, the script and step that wrote it and, for an agent of a
+population, its member number. Exit status: 0, or 2 with one line for a path that holds no usable
+checkpoint, an env that cannot be recorded (no rgb_array mode) or shown, a ``--search-depth`` above 0
+for an env without lookahead or a policy that is not a Q-network, or flags that exclude each other.
 """
 
 from __future__ import annotations
@@ -101,8 +108,8 @@ def load(path: Path, device: str = "cpu") -> tuple[Any, dict, dict]:
 
 def play(policy, env_id: str, env_kwargs: dict, episodes: int, seed: int, render: str | None = None,
          video_dir: str | None = None, max_envs: int = MAX_ENVS) -> tuple[list[dict], np.ndarray]:
-    """``episodes`` greedy episodes, ``max_envs`` at a time; returns them and a batch of the
-    observations seen (for export checks)."""
+    """``episodes`` episodes of ``policy.act`` (the greedy policy or a lookahead player), ``max_envs`` at a
+    time; returns them and a batch of the observations seen (for export checks)."""
     from common.envs import make_vec_env, play_episodes
 
     seen: list[np.ndarray] = []
@@ -170,8 +177,8 @@ def report(episodes: list[dict], env_id: str, env_kwargs: dict, policy, seed: in
     return out
 
 
-def evaluation_opponents(env_id: str) -> tuple[str, ...]:
-    """The fixed players a two-player built-in is scored against: its module's ``EVALUATION_OPPONENTS``."""
+def env_module(env_id: str):
+    """The module that defines ``env_id``'s env (where a built-in keeps its players), or None."""
     import importlib
 
     import gymnasium as gym
@@ -179,14 +186,38 @@ def evaluation_opponents(env_id: str) -> tuple[str, ...]:
     import common.envs  # noqa: F401  (registers the built-ins)
 
     entry = gym.spec(env_id).entry_point
-    if not isinstance(entry, str):
-        return ()
-    return tuple(getattr(importlib.import_module(entry.split(":")[0]), "EVALUATION_OPPONENTS", ()))
+    return importlib.import_module(entry.split(":")[0]) if isinstance(entry, str) else None
+
+
+def evaluation_opponents(env_id: str) -> tuple[str, ...]:
+    """The fixed players a two-player built-in is scored against: its module's ``EVALUATION_OPPONENTS``."""
+    return tuple(getattr(env_module(env_id), "EVALUATION_OPPONENTS", ()))
+
+
+def lookahead_player(policy, env_id: str, depth: int, seed: int):
+    """What plays the report: the greedy ``policy`` at depth 0, else the env module's
+    ``LookaheadPlayer`` searching ``depth`` plies over the policy's Q-values (ties drawn with ``seed``)."""
+    if depth == 0:
+        return policy
+    player = getattr(env_module(env_id), "LookaheadPlayer", None)
+    if player is None:
+        raise EvaluationError(f"--search-depth {depth}: {env_id} offers no lookahead (its env module has no "
+                              "LookaheadPlayer); only 0 (greedy) is allowed")
+    if policy.spec["class"] != "QNetwork":
+        raise EvaluationError(f"--search-depth {depth}: the lookahead searches over Q-values, and this checkpoint "
+                              f"holds a {policy.spec['class']}; only 0 (greedy) is allowed")
+    import torch
+
+    @torch.no_grad()
+    def q_values(obs: np.ndarray) -> np.ndarray:
+        return policy(torch.as_tensor(obs, device=policy.obs_mean.device)).cpu().numpy()
+
+    return player(q_values, depth, seed)
 
 
 def match(policy, env_id: str, env_kwargs: dict, opponent: str, games: int, seed: int) -> dict:
-    """``games`` greedy games against ``opponent`` from each seat: ``{"first"|"second"|"both":
-    {"win", "draw", "loss"}}`` rates."""
+    """``games`` games of ``policy`` (greedy, or a lookahead player) against ``opponent`` from each seat:
+    ``{"first"|"second"|"both": {"win", "draw", "loss"}}`` rates."""
     results = {}
     for seat, learner_first in SEATS:
         kwargs = {**env_kwargs, "opponent": opponent, "learner_first": learner_first}
@@ -238,10 +269,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--export", metavar="FILE.onnx", help="also write the policy as ONNX (checked)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--device", default="cpu", help="where the policy runs (default cpu)")
+    parser.add_argument("--search-depth", type=int, default=0,
+                        help="two-player built-ins: play through a lookahead of this many plies over the "
+                             "Q-network (default 0 = greedy)")
     parser.error = lambda message: _usage(message)
     args = parser.parse_args(argv)
     if args.episodes < 1:
         _usage(f"--episodes {args.episodes}: must be >= 1")
+    if args.search_depth < 0:
+        _usage(f"--search-depth {args.search_depth}: must be >= 0 (0 = greedy)")
     if args.render and args.video:
         _usage("--render and --video exclude each other (a video is drawn off screen)")
     return args
@@ -260,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         path = find_checkpoint(args.path, args.member)
         policy, env, about = load(path, args.device)
         env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {})}
-        episodes, observations = play(policy, env["id"], env_kwargs, args.episodes, args.seed,
+        player = lookahead_player(policy, env["id"], args.search_depth, args.seed)
+        episodes, observations = play(player, env["id"], env_kwargs, args.episodes, args.seed,
                                       "human" if args.render else None, args.video)
     except EvaluationError as err:
         _usage(str(err))
-    result = {"checkpoint": str(path), **about, **report(episodes, env["id"], env_kwargs, policy, args.seed)}
+    result = {"checkpoint": str(path), **about, **report(episodes, env["id"], env_kwargs, player, args.seed),
+              "search_depth": args.search_depth}
     if args.video:
         result["videos"] = [str(p) for p in videos(args.video, env["id"])]
     if args.export:
@@ -275,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _text(result: dict) -> str:
     member = f" (population member {result['member']})" if "member" in result else ""
-    lines = [f"{result['checkpoint']}{member}: {result['env_id']}, {result['episodes']} greedy episodes",
+    played = (f"episodes through a depth-{result['search_depth']} lookahead over the Q-network"
+              if result.get("search_depth") else "greedy episodes")
+    lines = [f"{result['checkpoint']}{member}: {result['env_id']}, {result['episodes']} {played}",
              f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
              f"mean length {result['mean_length']:.1f}"]
     skip = {"checkpoint", "member", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos",
-            "export", "opponents"}
+            "export", "opponents", "search_depth"}
     for key, value in result.items():
         if key not in skip:
             shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value

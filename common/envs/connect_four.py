@@ -26,6 +26,13 @@ Fixed players by name (:func:`make_player`): ``random``, ``heuristic``, and the 
 ``search1`` .. ``search4`` (:class:`SearchPlayer`), which are held out of every training mix
 (:data:`HELD_OUT_PLAYERS`, :func:`check_training_opponents`) so that evaluation against them
 (:data:`EVALUATION_OPPONENTS`) measures play the policy never trained against.
+
+Decision-time lookahead over a learned Q-network (:func:`lookahead_values`, :class:`LookaheadPlayer`):
+a shallow negamax whose terminal wins and draws come from the rules and whose leaves are the
+network's best value for the side to move there (the self-play network sees every board as the
+side to move), all children of a ply expanded in one numpy batch and the leaves scored in one
+network call; depth 0 is the network's greedy play. ``python -m common.evaluate RUN --search-depth 2``
+plays a run's policy through it (common/evaluate.py finds it here by the module's ``LookaheadPlayer``).
 """
 
 from __future__ import annotations
@@ -364,6 +371,85 @@ def _seat_draw(rng: np.random.Generator, learner_first: bool | None, n: int) -> 
     if learner_first is None:
         return rng.random(n) < 0.5
     return np.full(n, bool(learner_first))
+
+
+# ------------------------------------------------------------------ lookahead over a learned Q-network
+
+LOOKAHEAD_LEAVES = 1 << 15  # boards per network call at most: bounds memory at depth 4 and beyond
+
+
+def lookahead_values(q_values_fn, obs: np.ndarray, depth: int, action_mask: np.ndarray | None = None) -> np.ndarray:
+    """``(n, 7)`` depth-``depth`` negamax value of each column for the side to move, with the
+    learned ``q_values_fn`` at the leaves; ``-inf`` where the mask or the board forbids a move.
+
+    ``q_values_fn(obs) -> (m, 7)`` maps observations of the side to move (as :func:`observe`
+    makes them) to its values, as a self-play Q-network does. Depth 0 is ``q_values_fn`` itself.
+    Deeper, the rules decide what they can: a move that completes four scores ``WIN_SCORE`` plus
+    the plies left (so a quicker win is worth more and a later loss costs less), one that fills
+    the board 0, and the network scores the position after ``depth`` plies by the best value of the
+    side to move there, negated back up (negamax). Below the root a board with a winning move is
+    not expanded further (nothing beats that move). Every ply is expanded at once in numpy, and the
+    leaves of up to ``LOOKAHEAD_LEAVES`` boards go to the network in one call.
+    """
+    if depth < 0:
+        raise ValueError(f"lookahead depth must be >= 0, got {depth}")
+    obs = np.asarray(obs, dtype=np.float32)
+    boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)  # +1 = the side to move
+    heights = (boards != 0).sum(axis=1)
+    roots = max(1, LOOKAHEAD_LEAVES // COLS ** depth)  # root boards per chunk
+    values = np.concatenate([_lookahead(q_values_fn, boards[i:i + roots], heights[i:i + roots], depth, True)
+                             for i in range(0, len(boards), roots)]) if len(boards) else np.zeros((0, COLS))
+    if action_mask is not None:
+        values[~np.asarray(action_mask, dtype=bool)] = -np.inf
+    return values
+
+
+def _lookahead(q_values_fn, boards: np.ndarray, heights: np.ndarray, depth: int, root: bool) -> np.ndarray:
+    legal = heights < ROWS
+    if depth == 0:
+        values = np.array(q_values_fn(observe(boards, LEARNER)), dtype=np.float64).reshape(len(boards), COLS)
+        values[~legal] = -np.inf
+        return values
+    values = np.full((len(boards), COLS), -np.inf)
+    parent, col = np.nonzero(legal)
+    children, child_heights = boards[parent], heights[parent]  # copies (fancy indexing)
+    k = np.arange(parent.size)
+    children[k, child_heights[k, col], col] = 1
+    child_heights[k, col] += 1
+    won = wins(children, 1)
+    full = child_heights.sum(axis=1) == ROWS * COLS
+    values[parent[won], col[won]] = WIN_SCORE + depth
+    values[parent[full & ~won], col[full & ~won]] = 0.0
+    go = ~won & ~full
+    if not root:  # the side to move wins here: its other moves cannot change the parent's value
+        go &= ~np.isin(parent, parent[won])
+    if go.any():
+        replies = _lookahead(q_values_fn, -children[go], child_heights[go], depth - 1, False)  # the other side's view
+        values[parent[go], col[go]] = -replies.max(axis=1)
+    return values
+
+
+class LookaheadPlayer:
+    """Plays the column of highest :func:`lookahead_values` (a shallow negamax over a learned
+    Q-network, as TD-Gammon searched 2 plies over its network); ties broken at random with
+    ``seed``'s generator; masked or full columns never chosen. Depth 0 plays the network greedily."""
+
+    def __init__(self, q_values_fn, depth: int, seed: int | None = None):
+        if depth < 0:
+            raise ValueError(f"lookahead depth must be >= 0, got {depth}")
+        self.q_values_fn, self.depth = q_values_fn, depth
+        self.rng = np.random.default_rng(seed)
+
+    def values(self, obs: np.ndarray, action_mask: np.ndarray | None = None) -> np.ndarray:
+        return lookahead_values(self.q_values_fn, obs, self.depth, action_mask)
+
+    def act(self, obs: np.ndarray, action_mask: np.ndarray | None = None,
+            env_ids: np.ndarray | None = None) -> np.ndarray:
+        obs = np.asarray(obs)
+        if action_mask is None:
+            action_mask = legal_mask(((obs[:, 0] + obs[:, 1]) != 0).sum(axis=1))
+        values = self.values(obs, action_mask)
+        return sample_legal(self.rng, values == values.max(axis=1, keepdims=True))
 
 
 # ------------------------------------------------------------------ symmetry
