@@ -3,6 +3,7 @@
     python benchmarks/bench_parallel_dqn.py throughput             # episodes/s with 1 and 2 workers, updates/s
     python benchmarks/bench_parallel_dqn.py cartpole --seeds 1 2 3 4 5
     python benchmarks/bench_parallel_dqn.py connect-four --minutes 15 --seeds 1 2 3   # the defaults
+    python benchmarks/bench_parallel_dqn.py connect-four --runs RUN... --search-depth 0 2   # + lookahead at evaluation
 
 Each writes a Markdown table to benchmarks/results/parallel_dqn_<name>.md together with
 the machine's core count and load average, since timings on a shared machine move with
@@ -124,7 +125,54 @@ def bench_connect_four(opts) -> None:
         lines.append(f"| {seed} | {r['returncode']} | {r.get('stop_reason')} | {r.get('episodes')} | "
                      f"{r.get('global_step')} | {r.get('updates')} | `{out.name}` |")
     lines += connect_four_table(runs) + connect_four_curve(runs)
-    write(f"parallel_dqn_connect_four_{opts.minutes:g}min.md", lines)
+    if opts.search_depth:
+        lines += connect_four_lookahead(runs, opts.search_depth, opts.games)
+    write(f"parallel_dqn_connect_four_{opts.minutes:g}min{'_lookahead' if opts.search_depth else ''}.md", lines)
+
+
+def connect_four_lookahead(runs: list, depths: list[int], games: int) -> list[str]:
+    """Each run's final checkpoint scored by ``python -m common.evaluate --search-depth D`` for every
+    depth, on the same evaluation seeds: the greedy policy (depth 0) and the lookahead over its
+    Q-network side by side."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    scored = {}  # (seed, depth) -> (report, seconds)
+    for seed, out, _ in runs:
+        for depth in depths:
+            started = time.monotonic()
+            proc = subprocess.run([sys.executable, "-m", "common.evaluate", str(out), "--episodes", str(games // 2),
+                                   "--search-depth", str(depth), "--json"], cwd=ROOT, env=env, capture_output=True,
+                                  text=True)
+            if proc.returncode:
+                raise SystemExit(f"common.evaluate failed on {out} at depth {depth}: {proc.stderr.strip()[-500:]}")
+            scored[seed, depth] = json.loads(proc.stdout), time.monotonic() - started
+            print(f"seed {seed} depth {depth}: " + " ".join(
+                f"{o} {scored[seed, depth][0]['opponents'][o]['both']['win']:.0%}" for o in CONNECT_FOUR_OPPONENTS)
+                  + f" ({scored[seed, depth][1]:.0f} s)", flush=True)
+    seeds = [seed for seed, _, _ in runs]
+    run_dirs = " ".join(str(out) for _, out, _ in runs)
+    command = (f"python benchmarks/bench_parallel_dqn.py connect-four --runs {run_dirs} "
+               f"--games {games} --search-depth {' '.join(map(str, depths))}")
+    lines = ["", "Decision-time lookahead over the learned Q-network (common/envs/connect_four.py "
+             "`LookaheadPlayer`: negamax with the rules' wins and draws, the network's best value for the side to "
+             "move at the leaves; depth 0 = the greedy policy): each final checkpoint scored by "
+             f"`python -m common.evaluate RUN --search-depth D --episodes {games // 2}`, {games} games per opponent "
+             f"({games // 2} from each seat), the same evaluation seeds at every depth.", "",
+             f"- command: `{command}`", f"- machine: {machine_line()}", "",
+             "Win / draw / loss, both seats together (per seed, then the median of the win rates):", "",
+             "| opponent | depth | " + " | ".join(f"seed {seed}" for seed in seeds) + " | median win |",
+             "|---|---|" + "---|" * len(seeds) + "---|"]
+    for opponent in CONNECT_FOUR_OPPONENTS:
+        for depth in depths:
+            rates = [scored[seed, depth][0]["opponents"][opponent]["both"] for seed in seeds]
+            median = statistics.median(r["win"] for r in rates)
+            lines.append(f"| {opponent} | {depth} | " + " | ".join(
+                " / ".join(f"{r[what]:.1%}" for what in ("win", "draw", "loss")) for r in rates)
+                + f" | **{median:.1%}** |")
+    lines += ["", "Seconds per evaluation (every opponent from both seats, plus the built-in scores' games):", "",
+              "| depth | " + " | ".join(f"seed {seed}" for seed in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for depth in depths:
+        lines.append(f"| {depth} | " + " | ".join(f"{scored[seed, depth][1]:.0f}" for seed in seeds) + " |")
+    return lines
 
 
 def connect_four_table(runs: list) -> list[str]:
@@ -284,6 +332,9 @@ def main() -> None:
     c4.add_argument("--games", type=int, default=200, help="evaluation games per opponent (half from each seat)")
     c4.add_argument("--runs", nargs="+", help="report on these run directories of earlier runs instead of training")
     c4.add_argument("--extra", default="", help="more flags for the training script, in one string")
+    c4.add_argument("--search-depth", type=int, nargs="+", default=[],
+                    help="also score the final checkpoints through a lookahead of these depths over the Q-network "
+                         "(python -m common.evaluate --search-depth; 0 = greedy), in ..._lookahead.md")
     throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
     throughput.add_argument("--seconds", type=float, default=10)
     throughput.add_argument("--games", type=int, default=16)
