@@ -38,8 +38,8 @@ from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch, distributed, envs_lib, networks, optim, ppo = map(lazy_import, (
-    "torch", "common.distributed", "common.envs", "common.networks", "common.optim", "common.ppo"))
+torch, distributed, envs_lib, networks, optim, ppo, rollout = map(lazy_import, (
+    "torch", "common.distributed", "common.envs", "common.networks", "common.optim", "common.ppo", "common.rollout"))
 
 
 @dataclass
@@ -109,13 +109,22 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
                    norm_size: int) -> None:
     """Allocate the shared rollouts, ``rollout<slot>_<key>`` of ``[n_steps, envs, ...]`` (each worker
     owns a column slice), and the snapshot: ``params``, ``norm`` and ``snapshot_version``."""
-    layout = ppo.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
+    layout = rollout.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
     for slot in range(2 if cfg.async_training else 1):
         for key, (shape, dtype) in layout.items():
             arrays.create(f"rollout{slot}_{key}", shape, dtype)
     arrays.create("params", (num_params,), np.float32)
     arrays.create("norm", (norm_size,), np.float64)
     arrays.create("snapshot_version", (1,), np.int64)
+
+
+def policy_size(cfg: Config, obs_space, action_space) -> int:
+    """How many parameters the policy has: counted from its shapes for an MLP, so that workers can start
+    before this process imports torch; from a network built for the purpose for an image policy."""
+    if rollout.acts_in_numpy(obs_space):
+        return sum(int(np.prod(shape)) for shape in rollout.actor_critic_shapes(obs_space, action_space,
+                                                                                 cfg.hidden_sizes))
+    return networks.flat_size(networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes)))
 
 
 def split_rollouts(shared: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -137,23 +146,36 @@ class Snapshot:
     digest: str
 
 
-def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, seed: int, agent=None):
-    """A rollout collector over ``envs`` filling their columns of ``buf`` (a new CPU agent unless given)."""
+def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, seed: int,
+                   shared: dict[str, np.ndarray], learner=None):
+    """A rollout collector over ``envs`` filling their columns of ``buf``, acting with the parameters the
+    learner publishes in ``shared`` (or with ``learner`` itself, when it is a CPU network in this process).
+
+    An MLP policy acts in numpy, so a worker process of one never imports torch (a second or more of
+    its start-up); an image policy acts with a torch network."""
     spaces = envs.single_observation_space, envs.single_action_space
-    agent = agent or networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
     cols = slice(first_env, first_env + envs.num_envs)
-    return ppo.RolloutCollector(agent, envs, buf, cols, ppo.make_normalizer(cfg, *spaces), seed)
+
+    def published() -> np.ndarray:
+        return shared["params"]
+
+    if rollout.acts_in_numpy(spaces[0]):
+        acting = rollout.NumpyActing(*spaces, cfg.hidden_sizes, cfg.activation, published, seed)
+    elif learner is not None:
+        acting = ppo.TorchActing(learner)
+    else:
+        agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
+        acting = ppo.TorchActing(agent, published)
+    return rollout.RolloutCollector(acting, envs, buf, cols, rollout.make_normalizer(cfg, *spaces))
 
 
-def collect_published(collector, shared: dict[str, np.ndarray], rollout: dict[str, np.ndarray], n_steps: int,
-                      read_params: bool = True) -> tuple[list[dict], dict]:
-    """One rollout into ``rollout`` with the snapshot the learner published. Also returns what the learner
-    checks (the snapshot's version, a digest of the statistics used) and when the rollout ran."""
+def collect_published(collector, shared: dict[str, np.ndarray], into: dict[str, np.ndarray],
+                      n_steps: int) -> tuple[list[dict], dict]:
+    """One rollout into the rollout ``into`` with the snapshot the learner published. Also returns what the
+    learner checks (the snapshot's version, a digest of the statistics used) and when the rollout ran."""
     version = int(shared["snapshot_version"][0])
-    if read_params:
-        networks.read_flat_params(collector.agent, shared["params"])
     collector.normalizer.read(shared["norm"])
-    collector.buf = rollout
+    collector.buf = into
     started = time.time()
     episodes = collector.collect(n_steps)
     return episodes, {"version": version, "norm_digest": collector.normalizer.digest(), "started": started,
@@ -162,15 +184,16 @@ def collect_published(collector, shared: dict[str, np.ndarray], rollout: dict[st
 
 def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_env: int, seed: int) -> None:
     """Worker process: owns ``num_envs_per_worker`` environments and a copy of the policy."""
-    # A rollout step runs the policy on a handful of observations, where extra torch threads
-    # only add wake-up latency (one LunarLander worker: 14.8k steps/s with one thread, 12.0k with two).
-    set_torch_threads(1)
     cfg = Config(**cfg_dict)
     shared, handles = attach_all(specs)
     rollouts = split_rollouts(shared)
     envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
+    if not rollout.acts_in_numpy(envs.single_observation_space):
+        # A rollout step runs the policy on a handful of observations, where extra torch threads
+        # only add wake-up latency (one LunarLander worker: 14.8k steps/s with one thread, 12.0k with two).
+        set_torch_threads(1)
     try:
-        collector = make_collector(cfg, envs, rollouts[0], first_env, seed)
+        collector = make_collector(cfg, envs, rollouts[0], first_env, seed, shared)
         link.ready()
         while True:
             command, slot = link.receive()
@@ -191,10 +214,11 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
 class InProcessCollector:
     """Sequential baseline: the rollout runs in this process, with the same code as in a worker.
 
-    It acts with the learner's own network on the CPU, or with a CPU copy refreshed from
-    the published parameters when the learner lives on a GPU (rollouts step one small
-    batch at a time, where a GPU only adds transfer latency). Collecting and learning take
-    turns here (``async_training`` needs workers).
+    An MLP policy acts in numpy from the published parameters, as in a worker; an image policy
+    acts with the learner's own network on the CPU, or with a CPU copy refreshed from the published
+    parameters when the learner lives on a GPU (rollouts step one small batch at a time, where a GPU
+    only adds transfer latency). Collecting and learning take turns here (``async_training`` needs
+    workers).
     """
 
     def __init__(self, run, agent, shared: dict[str, np.ndarray], seed: int):
@@ -203,7 +227,8 @@ class InProcessCollector:
         self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
         envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(envs.close)
-        self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, agent if self.learner_on_cpu else None)
+        self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, shared,
+                                        agent if self.learner_on_cpu else None)
 
     def start(self, slot: int, snapshot: Snapshot) -> None:
         pass  # the rollout runs in wait(), in the one slot there is
@@ -211,8 +236,7 @@ class InProcessCollector:
     def wait(self) -> tuple[list[dict], float] | None:
         """The finished episodes of one rollout and the seconds it took."""
         self.run.budget.mark_first_step()
-        episodes, report = collect_published(self.collector, self.shared, self.rollout, self.cfg.n_steps,
-                                             read_params=not self.learner_on_cpu)
+        episodes, report = collect_published(self.collector, self.shared, self.rollout, self.cfg.n_steps)
         return episodes, report["ended"] - report["started"]
 
 
@@ -283,6 +307,21 @@ class PPOTrainer:
     def __init__(self, run):
         cfg, dist = run.cfg, run.dist
         self.run, self.cfg, self.dist = run, cfg, dist
+        spaces = run.env.observation_space, run.env.action_space
+        self.normalizer = rollout.make_normalizer(cfg, *spaces)
+        self.behaviour = rollout.make_normalizer(cfg, *spaces)  # a rollout's own
+        arrays = SharedArrays()
+        run.defer(arrays.unlink_all)
+        rollout_arrays(arrays, cfg, *spaces, policy_size(cfg, *spaces), self.normalizer.size())
+        self.shared = {key: arrays[key] for key in arrays.specs()}
+        self.rollouts = split_rollouts(self.shared)
+        self.version = 0  # of the last snapshot published
+        run.log.info("%s%s", rollout.describe_rollout(self.rollouts[0], spaces[0]),
+                     " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
+        seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
+        # Workers start first: they build their envs (and, acting in numpy, never import torch) while this
+        # process imports torch and builds the learner.
+        self.collector = WorkerCollector(run, arrays, seed) if cfg.num_workers else None
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         # Synchronous workers sit idle while the learner updates: --torch-threads 0 gives the update every
@@ -292,25 +331,10 @@ class PPOTrainer:
         # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
         # with NCCL), whatever GPU --device names.
         self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
-        env = run.env
-        self.agent = networks.ActorCritic(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
-                                          cfg.activation, cfg.log_std_init)
+        self.agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
         self.agent.to(self.device)
-        self.normalizer = ppo.make_normalizer(cfg, env.observation_space, env.action_space)
-        self.behaviour = ppo.make_normalizer(cfg, env.observation_space, env.action_space)  # a rollout's own
-        arrays = SharedArrays()
-        run.defer(arrays.unlink_all)
-        rollout_arrays(arrays, cfg, env.observation_space, env.action_space, networks.flat_size(self.agent),
-                       self.normalizer.size())
-        self.shared = {key: arrays[key] for key in arrays.specs()}
-        self.rollouts = split_rollouts(self.shared)
-        self.version = 0  # of the last snapshot published
-        run.log.info("%s%s", ppo.describe_rollout(self.rollouts[0], env.observation_space),
-                     " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
-        seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
-        # Workers start first: they import torch and build their envs while this process goes on.
-        self.collector = (InProcessCollector(run, self.agent, self.shared, seed) if cfg.num_workers == 0
-                          else WorkerCollector(run, arrays, seed))
+        if self.collector is None:
+            self.collector = InProcessCollector(run, self.agent, self.shared, seed)
         # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
         self.optimizer = optim.FusedAdam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
         if run.resumed is not None:

@@ -78,8 +78,9 @@ from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_t
 from common.system import assign_devices, format_bytes, shm_shortfall, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch, checkpoints, envs_lib, market, networks, optim, ppo = map(lazy_import, (
-    "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.optim", "common.ppo"))
+torch, checkpoints, envs_lib, market, networks, optim, ppo, rollout = map(lazy_import, (
+    "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.optim", "common.ppo",
+    "common.rollout"))
 
 PER_WORKER = ("learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef")  # may differ between workers
 
@@ -338,21 +339,21 @@ class Agent:
         self.optimizer = optim.FusedAdam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0, "pbt_exploits": 0,
                          "recent_returns": []}
-        self.normalizer = ppo.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])
+        self.normalizer = rollout.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])
         if setup.checkpoint:
             self.restore(setup.checkpoint)
         self.recent = deque(self.counters["recent_returns"], maxlen=RECENT)
-        layout = ppo.rollout_layout(cfg.n_steps, n, obs_space, action_space)
+        layout = rollout.rollout_layout(cfg.n_steps, n, obs_space, action_space)
         self.buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
         # Each agent is its own learner: its normalization statistics are its own too.
-        self.collector = ppo.RolloutCollector(self.actor, self.envs, self.buf, slice(None), self.normalizer,
-                                              cfg.seed + 7919 * self.index)
+        self.collector = rollout.RolloutCollector(ppo.acting_for(self.actor, cfg.seed + 7919 * self.index),
+                                                  self.envs, self.buf, slice(None), self.normalizer)
         self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * self.index + self.counters["updates"])
         self.stop_payload: dict = {}
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])
         log.info("worker %d: pid %d, device %s, %d envs of %s, hyperparameters %s", self.index, os.getpid(),
                  self.device, n, cfg.env_id, self.hyper)
-        log.info("worker %d %s", self.index, ppo.describe_rollout(self.buf, obs_space))
+        log.info("worker %d %s", self.index, rollout.describe_rollout(self.buf, obs_space))
 
     # -- checkpoints
     def restore(self, path: str) -> None:
@@ -567,7 +568,7 @@ class Agent:
 
 def policy_actions(agent, action_space, deterministic: bool, normalizer):
     """``act(obs, masks)`` for play_episodes: greedy (argmax, or a Box action's mean) or sampled."""
-    low, high = ppo.action_bounds(action_space)
+    low, high = rollout.action_bounds(action_space)
 
     def act(obs: np.ndarray, _masks) -> np.ndarray:
         with torch.inference_mode():

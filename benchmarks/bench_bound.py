@@ -37,7 +37,7 @@ import yaml  # noqa: E402
 from common.envs import make_vec_env  # noqa: E402
 from common.networks import ActorCritic  # noqa: E402
 from common.optim import FusedAdam  # noqa: E402
-from common.ppo import NumpyActing, PPOSettings, ppo_update  # noqa: E402
+from common.ppo import PPOSettings, acting_for, ppo_update  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bound.md"
 
@@ -66,7 +66,7 @@ def env_seconds_per_step(env_id: str, num_envs: int, vector_steps: int) -> float
 
 
 def inference_seconds_per_call(agent: ActorCritic, obs: np.ndarray, calls: int) -> float:
-    acting = NumpyActing(agent, seed=0)
+    acting = acting_for(agent, seed=0)
 
     def measure() -> float:
         started = time.perf_counter()

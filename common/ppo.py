@@ -1,9 +1,8 @@
-"""The PPO pieces shared by the two PPO scripts: the rollout, GAE and the clipped-surrogate update.
+"""The PPO pieces shared by the two PPO scripts that need torch: acting with a torch network, GAE and
+the clipped-surrogate update.
 
-A rollout lives in a dict of ``[n_steps, envs, ...]`` arrays (:func:`rollout_layout`): shared
-memory that several workers fill column by column in ``train_parallel_timed.py``, a worker's
-private arrays in ``train_ppo_multiprocess.py``. A :class:`RolloutCollector` fills it,
-:func:`rollout_batch` turns it into the flat batch :func:`ppo_update` learns from.
+A rollout (``common.rollout``: its arrays and the collector that fills them, without torch) is
+turned by :func:`rollout_batch` into the flat batch :func:`ppo_update` learns from.
 """
 
 from __future__ import annotations
@@ -15,170 +14,52 @@ import numpy as np
 import torch
 from torch import nn
 
+from common import networks
 from common.normalize import Normalizer
-from common.replay import describe_observations
-
-
-def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
-    """``{name: (shape, dtype)}`` of the arrays a :class:`RolloutCollector` fills for ``num_envs`` envs.
-
-    Observations are stored as the env gives them (uint8 frames stay uint8: a quarter of float32).
-    """
-    continuous = not hasattr(action_space, "n")
-    obs_dtype = np.uint8 if observation_space.dtype == np.uint8 else np.float32
-    layout = {"obs": ((n_steps, num_envs, *observation_space.shape), obs_dtype),
-              "actions": ((n_steps, num_envs, *action_space.shape), np.float32 if continuous else np.int64)}
-    for key in ("logprobs", "values", "rewards", "final_values", "terminations", "truncations", "disc_returns"):
-        layout[key] = ((n_steps, num_envs), np.float32)
-    layout["next_values"] = ((num_envs,), np.float32)
-    return layout
-
-
-def describe_rollout(buf: dict[str, np.ndarray], observation_space) -> str:
-    """How a rollout holds its observations (``rollout: 128 x 8 x (4, 84, 84) uint8 observations, 28.9 MB``)."""
-    return describe_observations("rollout", [buf["obs"]], observation_space.shape)
+from common.rollout import NumpyActing
 
 
 class TorchActing:
-    """The rollout step done by the torch network itself (images, and anything not an MLP)."""
+    """The rollout step done by the torch network itself (images, and anything not an MLP).
 
-    def __init__(self, agent):
-        self.agent = agent
+    With ``params`` (a flat parameter vector's source, as for :class:`common.rollout.NumpyActing`)
+    the network is a copy that loads them before every rollout; without, it is the learner itself.
+    """
+
+    def __init__(self, agent, params: Callable[[], np.ndarray] | None = None):
+        self.agent, self.params = agent, params
 
     def refresh(self) -> None:
-        pass  # the network is the agent
+        if self.params is not None:
+            networks.read_flat_params(self.agent, self.params())
 
+    @torch.inference_mode()
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         action, logprob, value = self.agent.act(_tensor(obs))
         return action.numpy(), logprob.numpy(), value.numpy()
 
+    @torch.inference_mode()
     def value(self, obs: np.ndarray) -> np.ndarray:
         return self.agent.get_value(_tensor(obs)).numpy()
-
-
-class NumpyActing:
-    """The rollout step of an MLP actor-critic in numpy, from a copy of its weights.
-
-    A rollout step runs the network on a handful of observations, where torch's per-call
-    overhead dominates: numpy's matmuls took a quarter of the time (16 CartPole envs: 122 vs
-    511 us per step, measured). Actions are sampled from the same distributions as
-    ``ActorCritic.act`` (categorical by the Gumbel-max trick, or the diagonal Gaussian), with
-    this collector's own generator; the learner recomputes log-probabilities with torch.
-    """
-
-    def __init__(self, agent, seed: int):
-        self.agent, self.rng = agent, np.random.default_rng(seed)
-        self.activation = np.tanh if agent.spec["activation"] == "tanh" else (lambda x: np.maximum(x, 0.0))
-        self.refresh()
-
-    @staticmethod
-    def supports(agent) -> bool:
-        return isinstance(agent.trunk, nn.Flatten)
-
-    def refresh(self) -> None:
-        """Copy the agent's current weights (call after every parameter update)."""
-        def layers(seq):
-            return [(m.weight.detach().numpy().T.copy(), m.bias.detach().numpy().copy())
-                    for m in seq if isinstance(m, nn.Linear)]
-
-        self.actor, self.critic = layers(self.agent.actor), layers(self.agent.critic)
-        self.log_std = None if self.agent.discrete else self.agent.actor_logstd.detach().numpy()[0].copy()
-
-    def _mlp(self, x: np.ndarray, layers) -> np.ndarray:
-        for weight, bias in layers[:-1]:
-            x = self.activation(x @ weight + bias)
-        weight, bias = layers[-1]
-        return x @ weight + bias
-
-    def value(self, obs: np.ndarray) -> np.ndarray:
-        return self._mlp(_flat(obs), self.critic)[:, 0]
-
-    def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = _flat(obs)
-        out, value = self._mlp(x, self.actor), self._mlp(x, self.critic)[:, 0]
-        if self.log_std is None:
-            shifted = out - out.max(axis=1, keepdims=True)
-            log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-            action = (log_probs + self.rng.gumbel(size=log_probs.shape)).argmax(axis=1)
-            return action, log_probs[np.arange(len(action)), action].astype(np.float32), value
-        noise = self.rng.standard_normal(out.shape).astype(np.float32)
-        action = out + noise * np.exp(self.log_std)
-        logprob = (-0.5 * noise ** 2 - self.log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
-        return action.astype(np.float32), logprob.astype(np.float32), value
 
 
 def _tensor(obs: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(obs if obs.dtype in (np.float32, np.uint8) else obs.astype(np.float32))
 
 
-def _flat(obs: np.ndarray) -> np.ndarray:
-    return obs.reshape(len(obs), -1).astype(np.float32, copy=False)
+def acting_for(agent, seed: int):
+    """How a rollout acts with the CPU network ``agent``: in numpy from a copy of its weights for an MLP
+    (:class:`common.rollout.NumpyActing`), else with the network itself."""
+    if not isinstance(agent.trunk, networks.Flat):
+        return TorchActing(agent)
+    spec = agent.spec
 
+    def params() -> np.ndarray:
+        return nn.utils.parameters_to_vector(agent.parameters()).detach().numpy()
 
-class RolloutCollector:
-    """Steps ``envs`` with ``agent`` (on the CPU), filling columns ``cols`` of a rollout ``buf``.
-
-    It keeps what outlives one rollout: the observation to continue from and each env's
-    discounted return so far (reward scaling learns its variance). The policy acts on
-    observations normalized by ``normalizer``; the rollout stores them raw (common/normalize.py).
-    MLP policies act in numpy (:class:`NumpyActing`), others with torch. ``buf`` may be another
-    rollout of the same layout from one rollout to the next (train_parallel_timed.py alternates two
-    when it collects while it learns).
-    """
-
-    def __init__(self, agent, envs, buf: dict[str, np.ndarray], cols: slice, normalizer: Normalizer, seed: int):
-        self.agent, self.envs, self.buf, self.cols, self.normalizer = agent, envs, buf, cols, normalizer
-        self.acting = NumpyActing(agent, seed) if NumpyActing.supports(agent) else TorchActing(agent)
-        self.low, self.high = action_bounds(envs.single_action_space)
-        self.next_obs = envs.reset()
-        self.returns = np.zeros(envs.num_envs, dtype=np.float64)
-
-    def collect(self, n_steps: int) -> list[dict]:
-        """One rollout of ``n_steps`` steps per env with the agent's current weights; the episodes that finished."""
-        buf, cols, acting, seen = self.buf, self.cols, self.acting, self.normalizer.observations
-        acting.refresh()
-        episodes = []
-        with torch.inference_mode():
-            for step in range(n_steps):
-                action, logprob, value = acting.act(seen(self.next_obs))
-                buf["obs"][step, cols] = self.next_obs
-                buf["actions"][step, cols] = action
-                buf["logprobs"][step, cols] = logprob
-                buf["values"][step, cols] = value
-                result = self.envs.step(action if self.low is None else np.clip(action, self.low, self.high))
-                self.record(step, result)
-                episodes.extend(result.episodes)
-            buf["next_values"][cols] = acting.value(seen(self.next_obs))
-        return episodes
-
-    def record(self, step: int, result) -> None:
-        buf, cols = self.buf, self.cols
-        buf["rewards"][step, cols] = result.rewards
-        buf["terminations"][step, cols] = result.terminations
-        buf["truncations"][step, cols] = result.truncations
-        self.returns = self.returns * self.normalizer.gamma + result.rewards
-        buf["disc_returns"][step, cols] = self.returns
-        done = result.terminations | result.truncations
-        self.returns[done] = 0.0
-        if result.truncations.any():
-            # A time limit is not the end of the task: bootstrap from the final observation.
-            final_values = self.acting.value(self.normalizer.observations(result.final_obs))
-            buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
-        self.next_obs = result.obs
-
-
-def make_normalizer(cfg, observation_space, action_space, gamma: float | None = None) -> Normalizer:
-    """The run's normalizer from ``norm_obs``/``norm_reward`` (None = on for Box actions, off for Discrete)."""
-    continuous = not hasattr(action_space, "n")
-    norm_obs = continuous if cfg.norm_obs is None else cfg.norm_obs
-    norm_reward = continuous if cfg.norm_reward is None else cfg.norm_reward
-    return Normalizer(observation_space.shape, norm_obs, norm_reward, cfg.clip_obs, cfg.clip_reward,
-                      cfg.gamma if gamma is None else gamma)
-
-
-def action_bounds(space):
-    """Box actions are clipped to the bounds when stepping the env (the log-prob is of the raw sample)."""
-    return (space.low, space.high) if hasattr(space, "low") else (None, None)
+    return NumpyActing(networks.space_from_spec(spec["observation_space"]),
+                       networks.space_from_spec(spec["action_space"]), spec["hidden_sizes"], spec["activation"],
+                       params, seed)
 
 
 def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, device,

@@ -305,6 +305,42 @@ def test_fast_rollout_sampling_matches_the_distribution(continuous):
         torch.testing.assert_close(freq, probs.detach(), atol=0.03, rtol=0)
 
 
+@pytest.mark.parametrize("continuous, hidden, activation", [(False, (64, 64), "tanh"), (True, (32,), "relu")])
+def test_numpy_acting_from_flat_parameters_is_the_torch_network(continuous, hidden, activation):
+    """A rollout worker acts in numpy from the flat parameters the learner publishes (never importing torch):
+    the parameter shapes it reads them with are ActorCritic's, in its order, and its values, actions and
+    log-probabilities are the torch network's."""
+    import gymnasium as gym
+
+    from common.networks import write_flat_params
+    from common.rollout import NumpyActing, actor_critic_shapes
+
+    obs_space = gym.spaces.Box(-1, 1, (5,))
+    act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
+    torch.manual_seed(1)
+    agent = ActorCritic(obs_space, act_space, hidden, activation, log_std_init=-0.5)
+    with torch.no_grad():  # every parameter distinct from its neighbours, so an order mix-up shows
+        for param in agent.parameters():
+            param.add_(torch.randn_like(param) * 0.3)
+    assert actor_critic_shapes(obs_space, act_space, hidden) == [tuple(p.shape) for p in agent.parameters()]
+    flat = np.zeros(sum(p.numel() for p in agent.parameters()), np.float32)
+    write_flat_params(agent, flat)
+    acting = NumpyActing(obs_space, act_space, hidden, activation, lambda: flat, seed=0)
+    obs = np.random.default_rng(0).normal(size=(256, 5)).astype(np.float32)
+    action, logprob, value = acting.act(obs)
+    with torch.no_grad():
+        dist = agent.distribution(torch.as_tensor(obs))
+        taken = torch.as_tensor(action)
+        expected = dist.log_prob(taken).sum(-1) if continuous else dist.log_prob(taken)
+        np.testing.assert_allclose(value, agent.get_value(torch.as_tensor(obs)).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(logprob, expected.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(acting.value(obs), value, rtol=1e-6)
+    flat[:] = 0.0  # a refresh reads what is published now; until then the copy taken stands
+    np.testing.assert_allclose(acting.value(obs), value, rtol=1e-6)
+    acting.refresh()
+    assert not acting.value(obs).any()
+
+
 # ------------------------------------------------------------------ optimizer
 
 def test_fused_adam_is_bit_identical_to_torch_adam_and_shares_its_checkpoints():

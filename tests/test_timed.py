@@ -139,6 +139,26 @@ def test_repeated_worker_deaths_save_and_exit_1(tmp_path, form):
     assert (run_dir / "checkpoints" / "latest.pt").is_file()
 
 
+def loaded_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the loaded libraries from /proc")
+def test_workers_of_an_mlp_policy_never_import_torch(tmp_path):
+    """They act in numpy from the published parameters, so their start-up skips torch's import (most of it)."""
+    run_dir = tmp_path / "numpy_workers"
+    proc = start_script(SCRIPT, *TINY, "--num-workers", 2, "--total-timesteps", 10**9, "--output-dir", run_dir)
+    try:
+        wait_for_metrics(run_dir, 2, proc)
+        workers = worker_pids(proc.pid)
+        assert len(workers) == 2 and "libtorch" in loaded_libraries(proc.pid)
+        assert not any("libtorch" in loaded_libraries(pid) for pid in workers)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        kill_tree(proc)
+
+
 def test_resume_continues_from_the_saved_step(tmp_path):
     run_dir = tmp_path / "resume"
     first = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 1024, "--output-dir", run_dir)
