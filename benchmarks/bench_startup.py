@@ -1,29 +1,41 @@
-"""Start-up time of the commands a user types first (not part of the test suite).
+"""Start-up time of the commands a user types first, and of a training run (not part of the test suite).
 
     python benchmarks/bench_startup.py             # median of 5 runs of each command
     python benchmarks/bench_startup.py --repeats 9
+    python benchmarks/bench_startup.py --runs --compare REV   # training runs, here and at git revision REV
 
 Measures, in fresh processes, ``launch_parallel_training.py --check-only`` (also with a
 128-core, 1-GPU machine's facts assumed) and ``--help`` of the launcher and of every script:
 the wall time from process start to exit. Each should answer in under a second (torch,
 TensorBoard and matplotlib load only when a run starts). The table is printed and written to
 benchmarks/results/startup.md (replacing the previous one), with the machine's load at the start.
+
+With ``--runs``, short training runs of ``train_parallel_timed.py`` instead (:data:`RUNS`, a fixed
+step budget each): the start-up its summary reports (process start to the first env step of a
+worker), the training seconds and the whole process's wall time, medians of ``--repeats`` seeds.
+``--compare REV`` runs the same commands, alternating, in a temporary git worktree of revision REV,
+so both sides share the machine's state. The table is printed and appended to
+benchmarks/results/startup_runs.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "startup.md"
+RUNS_RESULTS = ROOT / "benchmarks" / "results" / "startup_runs.md"
 TARGET_S = 1.0
 COMMANDS = [
     ["launch_parallel_training.py", "--check-only"],
@@ -50,10 +62,76 @@ def time_command(args: list[str], repeats: int) -> tuple[list[float], int]:
     return seconds, status
 
 
+RUNS = {
+    "CartPole-v1, 2 workers x 8 envs": ["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "40960"],
+    "LunarLander-v3, the defaults (2 workers x 8 envs)": ["--total-timesteps", "40960"],
+    "CartPole-v1, configs/cartpole_fast.yaml (0 workers)": ["--config", "configs/cartpole_fast.yaml"],
+}
+
+
+def time_run(tree: Path, args: list[str], seed: int, out: Path) -> tuple[float, float, float]:
+    """(start-up s, training s, whole-process wall s) of one run of train_parallel_timed.py in ``tree``."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, str(tree / "train_parallel_timed.py"), *args, "--seed", str(seed),
+               "--output-dir", str(out), "--no-tensorboard"]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {proc.stderr[-1000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return summary["time_budget"]["startup_s"], summary["wall_time_s"], wall
+
+
+def bench_runs(repeats: int, compare: str | None) -> int:
+    load = os.getloadavg()
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "this checkout"
+    with tempfile.TemporaryDirectory(prefix="prl_startup_") as tmp:
+        trees = {f"{head} (this checkout)": ROOT}
+        worktree = Path(tmp) / "compare"
+        if compare:
+            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), compare], cwd=ROOT, check=True)
+            trees[compare] = worktree
+        try:
+            rows = []
+            for name, args in RUNS.items():
+                seen: dict[str, list] = {label: [] for label in trees}
+                for seed in range(1, repeats + 1):
+                    for label, tree in trees.items():  # alternately, so both sides see the same machine
+                        seen[label].append(time_run(tree, args, seed, Path(tmp) / "run"))
+                for label, runs in seen.items():
+                    medians = [statistics.median(run[i] for run in runs) for i in range(3)]
+                    rows.append(f"| {name} | {label} | {medians[0]:.2f} | {medians[1]:.2f} | {medians[2]:.2f} |")
+                    print(rows[-1], flush=True)
+        finally:
+            if compare:
+                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT)
+    command = f"python benchmarks/bench_startup.py --runs --repeats {repeats}"
+    command += f" --compare {compare}" if compare else ""
+    lines = [f"## {started}, {os.cpu_count()} logical cores, load average at start {load[0]:.2f} {load[1]:.2f} "
+             f"{load[2]:.2f}", "", f"`{command}`: medians of {repeats} seeds, run alternately.", "",
+             "| run | code | start-up s (to the first env step) | training s | whole process s |",
+             "|---|---|---|---|---|", *rows, ""]
+    if not RUNS_RESULTS.exists():
+        RUNS_RESULTS.write_text("# Start-up of training runs\n\nAppended to by `python benchmarks/bench_startup.py "
+                                "--runs`.\n\n")
+    with open(RUNS_RESULTS, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"appended to {RUNS_RESULTS.relative_to(ROOT)}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runs", action="store_true", help="time short training runs instead of --help")
+    parser.add_argument("--compare", metavar="REV", help="with --runs: also run git revision REV, alternately")
     opts = parser.parse_args()
+    if opts.runs:
+        return bench_runs(opts.repeats, opts.compare)
     load = os.getloadavg()
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
