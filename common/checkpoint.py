@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+from common.lazy import lazy_import
+
+# Finding a run's checkpoints needs no torch: a script looks for them before it starts its workers, which
+# then start while it imports torch (common/lazy.py).
+torch = lazy_import("torch")
 
 
 class CheckpointError(ValueError):

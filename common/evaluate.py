@@ -67,7 +67,7 @@ def find_checkpoint(path: str | Path, member: int | None = None) -> Path:
         return path
     if not path.is_dir():
         raise EvaluationError(f"{path}: no such file or directory")
-    from common.checkpoint import latest_checkpoint  # (imports torch: only once a directory must be searched)
+    from common.checkpoint import latest_checkpoint
 
     if member is not None:
         found = latest_checkpoint(path / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")

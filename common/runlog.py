@@ -111,35 +111,44 @@ class MetricsWriter:
         if new_file:
             self._csv.writeheader()
             self._file.flush()
+        # The writer (and torch with it) is made at the first value written, not here: a script starts
+        # its workers before it needs torch, and they start while this process imports it.
+        self._tb_dir = Path(run_dir) / tb_subdir if tensorboard else None
         self._tb = None
-        if tensorboard:
+
+    def _board(self):
+        """The TensorBoard writer, made on first use; None without TensorBoard."""
+        if self._tb is None and self._tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / tb_subdir))
+            self._tb = SummaryWriter(str(self._tb_dir))
+        return self._tb
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: _csv_value(v) for k, v in row.items()}
         self._csv.writerow(clean)
         self._file.flush()
-        if self._tb is not None:
+        board = self._board()
+        if board is not None:
             step = int(row.get("global_step", 0))
             for key, value in row.items():
                 tag = TB_TAGS.get(key, f"prl/{key}")
                 if tag and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(tag, value, step)
+                    board.add_scalar(tag, value, step)
 
     def episode(self, global_step: int, episodic_return: float, episodic_length: int) -> None:
         """One finished episode, in TensorBoard (metrics.csv has their mean per row)."""
-        if self._tb is not None:
-            self._tb.add_scalar("charts/episodic_return", episodic_return, global_step)
-            self._tb.add_scalar("charts/episodic_length", episodic_length, global_step)
+        board = self._board()
+        if board is not None:
+            board.add_scalar("charts/episodic_return", episodic_return, global_step)
+            board.add_scalar("charts/episodic_length", episodic_length, global_step)
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-            self._tb = None
+        self._tb, self._tb_dir = None, None
 
 
 def _csv_value(value: Any) -> Any:
