@@ -48,7 +48,9 @@ SCRIPTS = [
     Script("train_parallel_timed.py",
            tiny=["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4", "--n-steps", "32",
                  "--batch-size", "64", "--no-tensorboard", "--target-return", "none", "--duration", "none"],
-           endless=["--total-timesteps", str(10**9)], short=["--total-timesteps", "3072"],
+           # A resumed run is past any small step budget, and a step budget runs out in well under a second
+           # of training: a short run is a short time.
+           endless=["--total-timesteps", str(10**9)], short=["--duration", "0.002", "--total-timesteps", "none"],
            diverge=["--learning-rate", "1e30", "--no-anneal-lr", "--max-grad-norm", "1e30",
                     "--checkpoint-interval-s", "0.01"],
            untrainable_env="Blackjack-v1"),
