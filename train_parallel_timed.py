@@ -122,8 +122,7 @@ def policy_size(cfg: Config, obs_space, action_space) -> int:
     """How many parameters the policy has: counted from its shapes for an MLP, so that workers can start
     before this process imports torch; from a network built for the purpose for an image policy."""
     if rollout.acts_in_numpy(obs_space):
-        return sum(int(np.prod(shape)) for shape in rollout.actor_critic_shapes(obs_space, action_space,
-                                                                                 cfg.hidden_sizes))
+        return rollout.parameter_count(rollout.actor_critic_shapes(obs_space, action_space, cfg.hidden_sizes))
     return networks.flat_size(networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes)))
 
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from common.replay import is_image
+
 # Argument validation costs more than the math for the tiny batches of a rollout step.
 torch.distributions.Distribution.set_default_validate_args(False)
 
@@ -57,11 +59,6 @@ def space_from_spec(spec: dict) -> gym.Space:
     low = np.broadcast_to(np.asarray(spec["low"], dtype=np.float64), spec["shape"]).astype(dtype)
     high = np.broadcast_to(np.asarray(spec["high"], dtype=np.float64), spec["shape"]).astype(dtype)
     return gym.spaces.Box(low, high, dtype=dtype)
-
-
-def is_image(space: gym.Space) -> bool:
-    """An observation that is a picture (frames, channels first): uint8 of rank 3."""
-    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.dtype == np.uint8
 
 
 class NatureCNN(nn.Module):

@@ -96,6 +96,11 @@ def fit_buffer_size(requested: int | None, default: int, bytes_per_transition: i
                       f"{'RAM and /dev/shm' if shared else 'RAM'}")
 
 
+def is_image(space) -> bool:
+    """An observation that is a picture (frames, channels first): uint8 of rank 3."""
+    return hasattr(space, "shape") and len(space.shape) == 3 and space.dtype == np.uint8
+
+
 def storage_dtype(observation_space) -> np.dtype:
     """How a buffer stores observations: frames as the uint8 they are (4x less memory), the rest as float32."""
     return np.dtype(np.uint8) if observation_space.dtype == np.uint8 else np.dtype(np.float32)

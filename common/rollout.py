@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from common.normalize import Normalizer
-from common.replay import describe_observations
+from common.replay import describe_observations, is_image
 
 
 def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
@@ -59,8 +59,8 @@ def action_bounds(space):
 
 def acts_in_numpy(observation_space) -> bool:
     """Whether ``common.networks.ActorCritic`` is a pair of MLPs for this observation (anything but a
-    uint8 picture of rank 3, which gets a CNN: ``networks.is_image``), so that numpy can act for it."""
-    return not (len(observation_space.shape) == 3 and observation_space.dtype == np.uint8)
+    picture, which gets a CNN), so that numpy can act for it."""
+    return not is_image(observation_space)
 
 
 def actor_critic_shapes(observation_space, action_space, hidden) -> list[tuple[int, ...]]:
@@ -80,6 +80,11 @@ def actor_critic_shapes(observation_space, action_space, hidden) -> list[tuple[i
     return shapes if discrete else [(1, out_dim), *shapes]
 
 
+def parameter_count(shapes) -> int:
+    """How many numbers a flat parameter vector of tensors of these ``shapes`` holds."""
+    return sum(int(np.prod(shape)) for shape in shapes)
+
+
 class NumpyActing:
     """The rollout step of an MLP actor-critic in numpy, from a flat copy of its parameters.
 
@@ -95,15 +100,12 @@ class NumpyActing:
     def __init__(self, observation_space, action_space, hidden, activation: str,
                  params: Callable[[], np.ndarray], seed: int):
         self.shapes = actor_critic_shapes(observation_space, action_space, tuple(hidden))
+        self.size = parameter_count(self.shapes)
         self.discrete = hasattr(action_space, "n")
         self.heads = len(tuple(hidden)) + 1  # layers per head
         self.activation = np.tanh if activation == "tanh" else (lambda x: np.maximum(x, 0.0))
         self.params, self.rng = params, np.random.default_rng(seed)
         self.refresh()
-
-    @property
-    def size(self) -> int:
-        return sum(int(np.prod(shape)) for shape in self.shapes)
 
     def refresh(self) -> None:
         """Copy the current parameters (call before every rollout): never alias them, they change under us."""

@@ -273,12 +273,20 @@ def move_values(boards: np.ndarray, heights: np.ndarray, depth: int, root: bool 
         values[np.isnan(values)] = -np.inf
         parent, col = np.nonzero(search)
         if parent.size:  # the reply, seen from the other side: negamax
-            children, child_heights = -boards[parent], heights[parent]  # copies (fancy indexing)
-            k = np.arange(parent.size)
-            children[k, child_heights[k, col], col] = -1
-            child_heights[k, col] += 1
-            values[parent, col] = -move_values(children, child_heights, depth - 1, root=False).max(axis=1)
+            children, child_heights = _play(boards, heights, parent, col)
+            values[parent, col] = -move_values(-children, child_heights, depth - 1, root=False).max(axis=1)
     return values
+
+
+def _play(boards: np.ndarray, heights: np.ndarray, parent: np.ndarray,
+          col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The boards (and heights) after the side to move (+1) drops a disc in column ``col[i]`` of board
+    ``parent[i]``: new arrays, one per move, the parents untouched."""
+    children, child_heights = boards[parent], heights[parent]  # copies (fancy indexing)
+    k = np.arange(parent.size)
+    children[k, child_heights[k, col], col] = 1
+    child_heights[k, col] += 1
+    return children, child_heights
 
 
 class SearchPlayer:
@@ -412,10 +420,7 @@ def _lookahead(q_values_fn, boards: np.ndarray, heights: np.ndarray, depth: int,
         return values
     values = np.full((len(boards), COLS), -np.inf)
     parent, col = np.nonzero(legal)
-    children, child_heights = boards[parent], heights[parent]  # copies (fancy indexing)
-    k = np.arange(parent.size)
-    children[k, child_heights[k, col], col] = 1
-    child_heights[k, col] += 1
+    children, child_heights = _play(boards, heights, parent, col)
     won = wins(children, 1)
     full = child_heights.sum(axis=1) == ROWS * COLS
     values[parent[won], col[won]] = WIN_SCORE + depth
