@@ -354,7 +354,10 @@ class PPOTrainer:
         """Every rank stops after the same update: a signal anywhere, or rank 0's decision."""
         if self.dist.any_rank(self.run.graceful.requested):
             return "interrupted"
-        return self.dist.agree_on_stop(self.run.stop_reason())
+        reason = self.dist.agree_on_stop(self.run.stop_reason())
+        if reason is not None:  # every rank's log and summary give the reason it stopped for, rank 0's
+            self.run.request_stop(reason)
+        return reason
 
     def train(self) -> None:
         run, cfg = self.run, self.cfg
