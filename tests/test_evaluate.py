@@ -82,9 +82,11 @@ def evaluate_json(*args) -> dict:
     return json.loads(result.stdout)
 
 
-# A DQN learner that plays ConnectFour (the script's default env) against a random player only: 400
-# games are enough to beat it clearly, and the run is deterministic for its seed.
-CONNECT_FOUR = ["--seed", "1", "--num-workers", "1", "--episodes-per-batch", "16", "--total-episodes", "400",
+# A DQN learner that plays ConnectFour (the script's default env) against a random player only. The
+# learner updates while the worker plays, so how many updates fit between two batches varies from run to
+# run: 800 games put its score against random at 0.78-0.89 in 100 games (400 games gave 0.67-0.81, which
+# 30 games' noise took below 0.6 now and then).
+CONNECT_FOUR = ["--seed", "1", "--num-workers", "1", "--episodes-per-batch", "16", "--total-episodes", "800",
                 "--learning-starts", "200", "--batch-size", "64", "--hidden-sizes", "64", "--learning-rate", "1e-3",
                 "--epsilon-decay-steps", "1500", "--opponent-random", "1", "--opponent-latest", "0",
                 "--opponent-snapshot", "0", "--opponent-heuristic", "0", "--eval-interval", "0",
@@ -124,15 +126,15 @@ def market_run(tmp_path_factory):
 
 
 def test_connect_four_dqn_run_scores_win_rates_against_both_players(connect_four_run):
-    report = evaluate_json(connect_four_run, "--episodes", "30")
+    report = evaluate_json(connect_four_run, "--episodes", "100")
     assert report["checkpoint"] == str(connect_four_run / "checkpoints" / "latest.pt")
     assert report["env_id"] == "ConnectFour-v0" and report["script"] == "parallel_train_dqn"
-    assert report["episodes"] == 30 and 5 <= report["mean_length"] <= 21  # a step is a move and the reply
+    assert report["episodes"] == 100 and 5 <= report["mean_length"] <= 21  # a step is a move and the reply
     # Scored on games of their own: trained against random play it wins most of those (chance is about
     # one half), and the heuristic player, which blocks every open three, beats it.
     assert report["win_rate_vs_random"] >= 0.6, report
     assert report["win_rate_vs_heuristic"] <= report["win_rate_vs_random"] - 0.4, report
-    assert all(30 * report[k] == round(30 * report[k]) for k in ("win_rate_vs_random", "win_rate_vs_heuristic"))
+    assert all(100 * report[k] == round(100 * report[k]) for k in ("win_rate_vs_random", "win_rate_vs_heuristic"))
 
 
 def test_connect_four_episodes_are_recorded_through_rgb_array(connect_four_run, tmp_path):
