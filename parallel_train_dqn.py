@@ -96,6 +96,7 @@ class Config(RunConfig):
     opponent_heuristic: float = 0.0  # share against the heuristic player (0 = pure self-play + random)
     opponent_epsilon: float = 0.25  # exploration of policy opponents: games do not repeat, positions vary
     mirror_augment: bool | None = None  # also store moves under the symmetries the env declares (None = if any)
+    learn_both_seats: bool | None = None  # two-player: also store the opponent's moves (None = if the env can)
     max_game_length: int | None = None  # cut episodes after this many steps (None = the environment's own limit)
     model_sync_interval: int = 1  # gradient updates between weight publications (checked once per iteration)
     worker_reset_interval: int | None = None  # iterations between worker resets (fresh envs and seeds; None = never)
@@ -128,8 +129,10 @@ class Config(RunConfig):
 
 
 def check_env(cfg: Config, env) -> None:
-    """The symmetries to augment the replay with, and a replay buffer that fits in RAM."""
+    """The symmetries to augment the replay with, the other seat to learn from, and a replay buffer that fits
+    in RAM."""
     env.extra["symmetries"] = augmenting_symmetries(cfg, env)
+    env.extra["other_seat"] = other_seat(cfg)
     check_memory(cfg, env)
 
 
@@ -145,6 +148,17 @@ def augmenting_symmetries(cfg: Config, env) -> tuple:
         problem = symmetry.mismatch(env.observation_space, env.action_space)
         require(problem is None, "env_id", cfg.env_id, f"{problem} (its declared symmetries)")
     return () if cfg.mirror_augment is False else symmetries
+
+
+def other_seat(cfg: Config):
+    """The env's ``other_seat`` (the opponent's side of a recorded game, common/envs/symmetry.py), unless
+    --no-learn-both-seats; --learn-both-seats on an env that declares none is refused."""
+    from common.envs.symmetry import declared_other_seat
+
+    rebuild = declared_other_seat(cfg.env_id)
+    require(rebuild is not None or cfg.learn_both_seats is not True, "learn_both_seats", True,
+            f"{cfg.env_id} declares no other_seat to rebuild the opponent's moves from (common/envs/symmetry.py)")
+    return None if cfg.learn_both_seats is False else rebuild
 
 
 def check_memory(cfg: Config, env) -> None:
@@ -237,8 +251,14 @@ def make_manager(run, model, epsilon: float, seed: int, log_dir: str | None):
 
 # --------------------------------------------------------------------------- the learner
 
-def store_episode(buffer: ReplayBuffer, ep: dict, symmetries: tuple, gamma: float, n_step: int) -> None:
-    """One whole episode into the replay buffer, and once more under each of the env's symmetries."""
+def store_episode(buffer: ReplayBuffer, ep: dict, symmetries: tuple, gamma: float, n_step: int,
+                  other_seat=None) -> None:
+    """One whole episode into the replay buffer, and once more under each of the env's symmetries; with
+    ``other_seat``, the opponent's side of the same game too (the same way)."""
+    if other_seat is not None:
+        opponent = other_seat(ep)
+        if opponent is not None:
+            store_episode(buffer, opponent, symmetries, gamma, n_step)
     buffer.add_episode(ep["obs"], ep["actions"], ep["rewards"], ep["terminated"], ep.get("masks"), gamma, n_step)
     for symmetry in symmetries:
         masks = ep.get("masks")
@@ -263,6 +283,9 @@ class DQNTrainer:
         if self.symmetries:
             run.log.info("replay augmented with the env's symmetries (%s): %d transitions stored per step",
                          ", ".join(s.name for s in self.symmetries), 1 + len(self.symmetries))
+        self.other_seat = env.extra.get("other_seat")
+        if self.other_seat is not None:
+            run.log.info("replay also learns the opponent's moves of every game (each stored like the learner's)")
         self.update_credit = 0.0  # gradient updates owed to the replay ratio, carried between iterations
         self.last_eval: dict[str, float] = {}
         self.final_eval: dict[str, float] | None = None
@@ -330,7 +353,7 @@ class DQNTrainer:
             self.episodes_by_rank[rank] += len(batch.episodes)
             self.steps_by_rank[rank] += sum(ep["length"] for ep in batch.episodes)
             for ep in batch.episodes:
-                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step)
+                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step, self.other_seat)
                 episodes.append(ep)
         steps = sum(ep["length"] for ep in episodes)
         self.pool.record(episodes)

@@ -226,6 +226,90 @@ def test_mirror_augment_on_an_env_without_symmetries(tmp_path, capsys):
     assert names == {None: ["mirror"], True: ["mirror"], False: []}
 
 
+class RecordingPlayer:
+    """A random opponent that keeps every board it was shown and the move it made there (one game at a time)."""
+
+    def __init__(self):
+        self.rng, self.calls = np.random.default_rng(5), []
+
+    def act(self, obs, action_mask, env_ids):
+        action = self.rng.choice(np.flatnonzero(action_mask[0]))
+        self.calls.append((obs[0].copy(), action_mask[0].copy(), int(action)))
+        return np.array([action])
+
+
+def test_other_seat_rebuilds_what_the_opponent_saw_and_played():
+    """From the learner's record alone, other_seat rebuilds the opponent's boards (from its side), its legal
+    moves and its moves exactly as the opponent was given and made them (less an opening move, which the
+    record starts after), with the game's result as its last reward."""
+    from common.envs import make_vec_env, play_episodes
+    from common.envs.symmetry import declared_other_seat
+
+    rebuild = declared_other_seat("ConnectFour-v0")
+    assert rebuild is not None and declared_other_seat("CartPole-v1") is None
+    opponent = RecordingPlayer()
+    vec = make_vec_env("ConnectFour-v0", 1, 0)
+    vec.env.set_opponent(opponent)
+    rng = np.random.default_rng(6)
+    episodes, _ = play_episodes(vec, lambda obs, masks: np.array([rng.choice(np.flatnonzero(masks[0]))]), 40,
+                                record=True, seed=3)
+    games, opened = [], 0
+    for board, mask, action in opponent.calls:  # a board with at most one disc starts a new game
+        discs = int(board.sum())
+        if discs <= 1:
+            games.append([])
+        if discs == 0:
+            opened += 1  # the opponent's first move: not in the learner's record
+            continue
+        games[-1].append((board, mask, action))
+    assert 5 <= opened <= 35 and len(games) >= 40  # both seats were played (the last game may be unfinished)
+    for episode, game in zip(episodes, games):
+        other = rebuild(episode)
+        assert len(other["actions"]) == len(game) >= episode["length"] - 1
+        assert (other["obs"][:-1] == np.stack([board for board, _, _ in game])).all()
+        assert (other["masks"][:-1] == np.stack([mask for _, mask, _ in game])).all()
+        assert other["actions"].tolist() == [action for _, _, action in game]
+        assert other["rewards"][:-1].tolist() == [0.0] * (len(game) - 1) and other["terminated"]
+        assert other["rewards"][-1] == -episode["rewards"][-1]
+        assert (other["obs"][-1] == episode["obs"][-1][::-1]).all()  # the final board, planes swapped
+    vec.close()
+    cut = dict(episodes[0], terminated=False)
+    assert rebuild(cut) is None  # the opponent's next position is not in a cut game's record
+
+
+def test_learn_both_seats_stores_the_opponents_moves_and_is_refused_without_a_declaration(tmp_path, capsys):
+    from common.envs.connect_four import other_seat
+    from common.run import probe_env
+
+    board_before = np.zeros((2, 6, 7), dtype=np.float32)
+    after_reply = board_before.copy()
+    after_reply[0, 0, 3] = 1  # the learner played column 3
+    after_reply[1, 0, 2] = 1  # the opponent replied in column 2
+    final = after_reply.copy()
+    final[0, 1, 3] = 1  # the learner's second move, then a reply that the record says ended the game
+    final[1, 0, 4] = 1  # with the learner's loss (other_seat takes the result from the record's rewards)
+    episode = {"obs": np.stack([board_before, after_reply, final]), "actions": np.array([3, 3]),
+               "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
+               "masks": np.ones((3, 7), dtype=bool)}
+    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    parallel_train_dqn.store_episode(buffer, episode, (), 0.99, 1, other_seat)
+    assert len(buffer) == 4  # the opponent's two replies, then the learner's two moves
+    assert buffer.actions[:4].tolist() == [2, 4, 3, 3] and buffer.rewards[:4].tolist() == [0.0, 1.0, 0.0, -1.0]
+    assert buffer.obs[0, 1, 0, 3] == 1 and buffer.obs[0].sum() == 1  # the opponent saw the learner's disc as theirs
+    assert buffer.dones[:4].tolist() == [0, 1, 0, 1]
+
+    run = tmp_path / "run"
+    assert parallel_train_dqn.main(["--env-id", "CartPole-v1", "--learn-both-seats", "--output-dir", str(run)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --learn-both-seats True: CartPole-v1 declares no other_seat")
+    assert not run.exists()
+    probe_env("ConnectFour-v0", actions=("Discrete",))
+    seats = {flag: parallel_train_dqn.other_seat(parallel_train_dqn.Config(learn_both_seats=flag))
+             for flag in (None, True, False)}
+    assert seats == {None: other_seat, True: other_seat, False: None}
+    assert parallel_train_dqn.other_seat(parallel_train_dqn.Config(env_id="CartPole-v1")) is None
+
+
 def test_win_rates_reached_needs_both_rates():
     reached = parallel_train_dqn.win_rates_reached
     evaluation = {"eval_win_random": 0.9, "eval_win_heuristic": 0.6}
@@ -237,7 +321,7 @@ def test_win_rates_reached_needs_both_rates():
 @pytest.mark.timeout(90)
 def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
     """A reachable --target-win-rate ends the run at the first evaluation, long before its episode budget;
-    the default on ConnectFour-v0 stores every move twice (as played and mirrored)."""
+    the default on ConnectFour-v0 stores every move twice (as played and mirrored), the opponent's too."""
     summary = parallel_train_dqn.train(
         num_workers=1, episodes_per_batch=4, total_episodes=10_000, duration=None, eval_interval=1, eval_episodes=2,
         target_win_rate=[0.0, 0.0], hidden_sizes=[16], learning_starts=0, batch_size=16, tensorboard=False,
@@ -245,7 +329,9 @@ def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
     assert summary["exit_code"] == 0 and summary["stop_reason"] == "target win rates [0.0, 0.0] reached", summary
     assert summary["iterations"] == 1 and summary["episodes"] == 4
     (row,) = read_metrics(tmp_path / "run" / "metrics.csv")
-    assert float(row["buffer_size"]) == 2 * float(row["global_step"]) and float(row["eval_win_random"]) >= 0
+    # the learner's moves (global_step) and the opponent's (as many or one fewer in each of the 4 games), each twice
+    steps, stored = float(row["global_step"]), float(row["buffer_size"])
+    assert 2 * (2 * steps - 4) <= stored <= 4 * steps and float(row["eval_win_random"]) >= 0, row
 
 
 # ------------------------------------------------------------------------ self-play that generalizes

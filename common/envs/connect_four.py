@@ -20,7 +20,9 @@ Render modes of the single env: ``"ansi"`` (X learner, O opponent) and ``"rgb_ar
 board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
 
 Symmetry: the game mirrored left-right (:data:`MIRROR`, column ``c`` -> ``6 - c``), which both env
-classes declare as ``symmetries`` for replay augmentation (common/envs/symmetry.py).
+classes declare as ``symmetries`` for replay augmentation (common/envs/symmetry.py). Both also
+declare :func:`other_seat`, the opponent's side of a recorded game, so that a learner can learn
+from the moves of both players.
 
 Fixed players by name (:func:`make_player`): ``random``, ``heuristic``, and the search players
 ``search1`` .. ``search4`` (:class:`SearchPlayer`), which are held out of every training mix
@@ -469,6 +471,40 @@ def mirror_columns(obs: np.ndarray) -> np.ndarray:
 MIRROR = Symmetry("mirror", mirror_columns, tuple(range(COLS - 1, -1, -1)))
 
 
+# ------------------------------------------------------------------ the other seat
+
+def other_seat(episode: dict[str, Any]) -> dict[str, Any] | None:
+    """The same game as the opponent played it, rebuilt from the learner's record of it, or None.
+
+    The record (``obs`` T+1, ``actions`` T, ``rewards`` T, ``terminated``) holds every board the
+    learner moved on and the final one, so each reply is the one disc that differs between the board
+    after the learner's move and the next board. Returns the opponent's episode in the same form: the
+    boards it moved on seen from its side, its moves, its rewards (all 0 but the last, which is minus
+    the learner's) and its legal-move masks. None for a game cut before its end (the opponent's next
+    position is not in the record) or one where the opponent made no recorded move. A game the
+    opponent opened loses that first move: the record starts after it.
+    """
+    if not episode["terminated"]:
+        return None
+    obs, actions = episode["obs"], np.asarray(episode["actions"], dtype=np.int64)
+    boards = (np.asarray(obs[:, 0]) > 0).astype(np.int8) - (np.asarray(obs[:, 1]) > 0).astype(np.int8)
+    steps = len(actions)
+    after = boards[:-1].copy()  # the board the opponent was shown at each step
+    drop(after, (after != 0).sum(axis=1), np.arange(steps), actions, LEARNER)
+    replied = np.ones(steps, dtype=bool)
+    replied[-1] = (boards[-1] != after[-1]).any()  # no reply when the learner's move ended the game
+    if not replied.any():
+        return None
+    new_disc = boards[1:][replied] != after[replied]
+    if (new_disc.sum(axis=(1, 2)) != 1).any():
+        raise ValueError("other_seat: the boards of this record do not follow from its moves one reply apart")
+    seen = np.concatenate([after[replied], boards[-1:]])
+    rewards = np.zeros(int(replied.sum()), dtype=np.float32)
+    rewards[-1] = -float(episode["rewards"][-1])
+    return {"obs": observe(seen, OPPONENT), "actions": new_disc.any(axis=1).argmax(axis=1).astype(np.int64),
+            "rewards": rewards, "terminated": True, "masks": legal_mask((seen != 0).sum(axis=1))}
+
+
 # ------------------------------------------------------------------ vector env
 
 class ConnectFourVectorEnv(gym.vector.VectorEnv):
@@ -480,6 +516,7 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
     symmetries = (MIRROR,)
+    other_seat = staticmethod(other_seat)  # what learning from both seats uses (common/envs/symmetry.py)
 
     def __init__(self, num_envs: int = 1, opponent: Player | str | None = None,
                  learner_first: bool | None = None, seed: int | None = None,
@@ -579,6 +616,7 @@ class ConnectFourEnv(gym.Env):
 
     metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 2}
     symmetries = (MIRROR,)  # what replay augmentation may use (common/envs/symmetry.py)
+    other_seat = staticmethod(other_seat)  # what learning from both seats uses (common/envs/symmetry.py)
 
     def __init__(self, opponent: Player | str | None = None, learner_first: bool | None = None,
                  render_mode: str | None = None):

@@ -10,6 +10,12 @@ An environment declares its symmetries as a class attribute ``symmetries`` (a tu
 :class:`Symmetry`) of the class its Gymnasium id is registered with; ConnectFour-v0 declares
 its left-right mirror. :func:`declared_symmetries` reads them without making an env, so any
 user's env can declare its own the same way; an env that declares none has none.
+
+A two-player game has one more: the same game seen from the other seat. An env may declare
+``other_seat``, a function that turns the learner's record of an episode (``obs`` T+1, ``actions``,
+``rewards``, ``terminated``) into the opponent's record of the same game, or None where it cannot;
+a learner may then store the opponent's moves as experience too (``parallel_train_dqn.py
+--learn-both-seats``). :func:`declared_other_seat` reads it the same way.
 """
 
 from __future__ import annotations
@@ -59,11 +65,20 @@ class Symmetry:
         return None
 
 
-def declared_symmetries(env_id: str) -> tuple[Symmetry, ...]:
-    """The symmetries ``env_id``'s registered class declares (``symmetries``), or none."""
+def _registered(env_id: str):
+    """The class (or function) ``env_id`` is registered with, or None."""
     try:
         entry = gym.spec(env_id).entry_point
-        creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+        return gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
     except (gym.error.Error, ImportError, AttributeError):  # ids made elsewhere (ALE) declare nothing here
-        return ()
-    return tuple(getattr(creator, "symmetries", ()))
+        return None
+
+
+def declared_symmetries(env_id: str) -> tuple[Symmetry, ...]:
+    """The symmetries ``env_id``'s registered class declares (``symmetries``), or none."""
+    return tuple(getattr(_registered(env_id), "symmetries", ()))
+
+
+def declared_other_seat(env_id: str) -> Callable[[dict], dict | None] | None:
+    """The ``other_seat`` function ``env_id``'s registered class declares, or None."""
+    return getattr(_registered(env_id), "other_seat", None)
