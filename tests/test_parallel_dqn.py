@@ -253,6 +253,7 @@ def test_other_seat_rebuilds_what_the_opponent_saw_and_played():
     rng = np.random.default_rng(6)
     episodes, _ = play_episodes(vec, lambda obs, masks: np.array([rng.choice(np.flatnonzero(masks[0]))]), 40,
                                 record=True, seed=3)
+    assert len(episodes) == 40
     games, opened = [], 0
     for board, mask, action in opponent.calls:  # a board with at most one disc starts a new game
         discs = int(board.sum())
