@@ -8,9 +8,13 @@ episodes to the replay buffer (as n-step transitions), makes ``--replay-ratio`` 
 updates per new transition, and publishes the new weights through shared memory.
 
 On a two-player built-in (``ConnectFour-v0``, the default) the opponent of each game is
-drawn from the latest policy, a pool of past snapshots of the learner and fixed players,
-and evaluation plays the greedy policy against a random and a heuristic player from both
-seats. Any single-agent Gymnasium id with a Discrete action space works too.
+drawn from the latest policy, a pool of past snapshots of the learner and fixed players.
+Every game is stored one ply at a time, the moves of both players, and each ply is
+bootstrapped with minus gamma times the best value of the side to move next (negamax), so
+the network learns what a move is worth against the best reply, not against the opponents
+it happened to meet. Evaluation plays the greedy policy from both seats against a random and
+a heuristic player and against search players it never meets in training. Any
+single-agent Gymnasium id with a Discrete action space works too.
 
 Started by ``torchrun``, rank 0 does all of the above, and every other rank runs rollout
 workers only (``--num-workers`` of them on each rank): their whole episodes travel to rank 0
@@ -74,7 +78,7 @@ class Config(RunConfig):
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)
     learning_starts: int = 1_000  # transitions in the buffer before the first update
     replay_ratio: float = 0.05  # gradient updates per environment transition
-    n_step: int = 3  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n)
+    n_step: int = 1  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n; plies with negamax)
     target_update_interval: int = 250  # gradient updates between target-network updates
     tau: float = 1.0  # target update rate: 1 = hard copy, < 1 = Polyak averaging at every interval
     max_grad_norm: float = 10.0  # gradient-norm clipping
@@ -85,7 +89,7 @@ class Config(RunConfig):
     epsilon_decay_steps: int = 50_000  # environment steps over which epsilon decays linearly
     mixed_precision: str = "auto"  # auto (fp16 + GradScaler on CUDA, off on CPU), bf16, fp16 (CUDA), off
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (workers always act on CPU)
-    eval_interval: int = 100  # iterations between parallel greedy evaluations (0 = only at the end)
+    eval_interval: int = 500  # iterations between parallel greedy evaluations (0 = only at the end)
     eval_episodes: int = 100  # evaluation episodes (per opponent and seat in two-player games)
     snapshot_sampling: str = "pfsp"  # which snapshot a game is against: pfsp (those that beat the learner) or uniform
     snapshot_interval: int = 10  # iterations between snapshots of the learner added to the opponent pool
@@ -97,6 +101,7 @@ class Config(RunConfig):
     opponent_epsilon: float = 0.25  # exploration of policy opponents: games do not repeat, positions vary
     mirror_augment: bool | None = None  # also store moves under the symmetries the env declares (None = if any)
     learn_both_seats: bool | None = None  # two-player: also store the opponent's moves (None = if the env can)
+    negamax: bool | None = None  # two-player: a move is worth minus the opponent's best reply (None = if the env can)
     max_game_length: int | None = None  # cut episodes after this many steps (None = the environment's own limit)
     model_sync_interval: int = 1  # gradient updates between weight publications (checked once per iteration)
     worker_reset_interval: int | None = None  # iterations between worker resets (fresh envs and seeds; None = never)
@@ -133,6 +138,7 @@ def check_env(cfg: Config, env) -> None:
     in RAM."""
     env.extra["symmetries"] = augmenting_symmetries(cfg, env)
     env.extra["other_seat"] = other_seat(cfg)
+    env.extra["plies"] = negamax_plies(cfg)
     check_memory(cfg, env)
 
 
@@ -159,6 +165,22 @@ def other_seat(cfg: Config):
     require(rebuild is not None or cfg.learn_both_seats is not True, "learn_both_seats", True,
             f"{cfg.env_id} declares no other_seat to rebuild the opponent's moves from (common/envs/symmetry.py)")
     return None if cfg.learn_both_seats is False else rebuild
+
+
+def negamax_plies(cfg: Config):
+    """The env's ``plies`` (a recorded game as both players' alternating moves, common/envs/symmetry.py), unless
+    --no-negamax; --negamax on an env that declares none is refused, and so is --no-learn-both-seats with it
+    (negamax learns every ply of both players)."""
+    from common.envs.symmetry import declared_plies
+
+    plies = declared_plies(cfg.env_id)
+    require(plies is not None or cfg.negamax is not True, "negamax", True,
+            f"{cfg.env_id} declares no plies to learn negamax values from (common/envs/symmetry.py)")
+    if cfg.negamax is False or plies is None:
+        return None
+    require(cfg.learn_both_seats is not False, "learn_both_seats", False,
+            "negamax targets learn from both players' moves; set negamax false too")
+    return plies
 
 
 def check_memory(cfg: Config, env) -> None:
@@ -252,9 +274,13 @@ def make_manager(run, model, epsilon: float, seed: int, log_dir: str | None):
 # --------------------------------------------------------------------------- the learner
 
 def store_episode(buffer: ReplayBuffer, ep: dict, symmetries: tuple, gamma: float, n_step: int,
-                  other_seat=None) -> None:
+                  other_seat=None, plies=None) -> None:
     """One whole episode into the replay buffer, and once more under each of the env's symmetries; with
-    ``other_seat``, the opponent's side of the same game too (the same way)."""
+    ``other_seat``, the opponent's side of the same game too (the same way). With ``plies`` the game is
+    stored one ply at a time, both players' moves, each bootstrapped with ``-gamma`` times the value of
+    the position it leads to for the side to move there (negamax; ``n_step`` then counts plies)."""
+    if plies is not None:
+        ep, gamma, other_seat = plies(ep), -gamma, None
     if other_seat is not None:
         opponent = other_seat(ep)
         if opponent is not None:
@@ -283,8 +309,10 @@ class DQNTrainer:
         if self.symmetries:
             run.log.info("replay augmented with the env's symmetries (%s): %d transitions stored per step",
                          ", ".join(s.name for s in self.symmetries), 1 + len(self.symmetries))
-        self.other_seat = env.extra.get("other_seat")
-        if self.other_seat is not None:
+        self.other_seat, self.plies = env.extra.get("other_seat"), env.extra.get("plies")
+        if self.plies is not None:
+            run.log.info("replay holds every ply of both players, each worth minus the best reply's value (negamax)")
+        elif self.other_seat is not None:
             run.log.info("replay also learns the opponent's moves of every game (each stored like the learner's)")
         self.update_credit = 0.0  # gradient updates owed to the replay ratio, carried between iterations
         self.last_eval: dict[str, float] = {}
@@ -353,7 +381,7 @@ class DQNTrainer:
             self.episodes_by_rank[rank] += len(batch.episodes)
             self.steps_by_rank[rank] += sum(ep["length"] for ep in batch.episodes)
             for ep in batch.episodes:
-                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step, self.other_seat)
+                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step, self.other_seat, self.plies)
                 episodes.append(ep)
         steps = sum(ep["length"] for ep in episodes)
         self.pool.record(episodes)

@@ -311,6 +311,90 @@ def test_learn_both_seats_stores_the_opponents_moves_and_is_refused_without_a_de
     assert parallel_train_dqn.other_seat(parallel_train_dqn.Config(env_id="CartPole-v1")) is None
 
 
+def test_plies_are_both_players_moves_each_from_the_side_to_move():
+    """The learner's record as alternating plies: each next board is the move played on the board before,
+    seen from the other side; only the game's last move, the winner's, is rewarded; a cut game ends on the
+    learner's next board (to bootstrap from). CartPole declares no plies."""
+    from common.envs import make_vec_env, play_episodes
+    from common.envs.connect_four import boards_of, wins
+    from common.envs.symmetry import declared_plies
+
+    plies = declared_plies("ConnectFour-v0")
+    assert plies is not None and declared_plies("CartPole-v1") is None
+    vec = make_vec_env("ConnectFour-v0", 1, 0)
+    rng = np.random.default_rng(6)
+    episodes, _ = play_episodes(vec, lambda obs, masks: np.array([rng.choice(np.flatnonzero(masks[0]))]), 60,
+                                record=True, seed=3)
+    vec.close()
+    results = set()
+    for episode in episodes:
+        game = plies(episode)
+        boards, heights = boards_of(game["obs"])
+        moves = len(game["actions"])
+        assert len(boards) == moves + 1 and len(game["rewards"]) == moves and game["terminated"]
+        assert (boards[0::2][:episode["length"]] == boards_of(episode["obs"])[0][:episode["length"]]).all()
+        for t, column in enumerate(game["actions"]):
+            assert game["masks"][t, column]
+            played = boards[t].copy()
+            played[heights[t, column], column] = 1
+            assert (boards[t + 1] == -played).all()  # the next ply's side to move sees it from its side
+            assert game["rewards"][t] == float(bool(wins(played[None], 1)[0]))
+        result = float(episode["rewards"][-1])
+        results.add(result)
+        assert moves % 2 == (1 if result == 1.0 else 0 if result == -1.0 else moves % 2)  # the winner moved last
+    assert results == {1.0, -1.0} or results == {1.0, -1.0, 0.0}
+    cut = plies(dict(episodes[0], terminated=False, obs=episodes[0]["obs"][:3], actions=episodes[0]["actions"][:2],
+                     rewards=np.zeros(2, dtype=np.float32)))
+    assert not cut["terminated"] and len(cut["actions"]) == 4 and not cut["rewards"].any()
+    assert (cut["obs"][-1] == episodes[0]["obs"][2]).all()  # the learner's board after two replies
+
+
+def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_it_cannot_apply(tmp_path, capsys):
+    """Each stored ply bootstraps with -gamma times the best value of the side to move next, so a move that
+    lets the opponent win is worth about -gamma (the loss is the opponent's +1 one ply on); 3-ply returns
+    alternate signs. --negamax on an env without plies, or with --no-learn-both-seats, is refused."""
+    from common.envs.connect_four import plies
+    from common.run import probe_env
+
+    start = np.zeros((2, 6, 7), dtype=np.float32)
+    replied = start.copy()
+    replied[0, 0, 3] = replied[1, 0, 2] = 1  # the learner played column 3, the opponent column 2
+    final = replied.copy()
+    final[0, 1, 3] = final[1, 0, 4] = 1  # the learner's second move, then the reply that won
+    episode = {"obs": np.stack([start, replied, final]), "actions": np.array([3, 3]),
+               "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
+               "masks": np.ones((3, 7), dtype=bool)}
+    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    parallel_train_dqn.store_episode(buffer, episode, (), 0.9, 1, plies=plies)
+    assert len(buffer) == 4 and buffer.actions[:4].tolist() == [3, 2, 3, 4]
+    assert buffer.rewards[:4].tolist() == [0.0, 0.0, 0.0, 1.0] and buffer.dones[:4].tolist() == [0, 0, 0, 1]
+    assert np.allclose(buffer.discounts[:4], -0.9)
+    assert (buffer.next_obs[0] == buffer.obs[1]).all() and buffer.next_obs[0][1, 0, 3] == 1  # the reply's side
+    q_net, target_net = TableQ([0.0] * 4 + [1.0] + [0.0] * 2), TableQ([0.0] * 4 + [1.0] + [0.0] * 2)
+    sample = torch.as_tensor
+    _, td, _ = double_dqn_loss(q_net, target_net, sample(buffer.obs[2:3]), sample(buffer.actions[2:3]),
+                               sample(buffer.rewards[2:3]), sample(buffer.next_obs[2:3]), sample(buffer.dones[2:3]),
+                               sample(buffer.discounts[2:3]), next_action_mask=sample(buffer.next_masks[2:3]))
+    assert td.item() == pytest.approx(abs(0.0 - (-0.9 * 1.0)))  # the opponent's best reply is worth 1 to it
+    three = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    parallel_train_dqn.store_episode(three, episode, (), 0.9, 3, plies=plies)
+    # the ply after the learner's first move: the opponent wins two of its moves later (+0.81 for it)
+    assert np.allclose(three.rewards[:4], [0.0, 0.81, -0.9, 1.0]) and three.dones[:4].tolist() == [0, 1, 1, 1]
+    assert np.isclose(three.discounts[0], -0.729)
+
+    for flags, message in ((["--env-id", "CartPole-v1", "--negamax"], "--negamax True: CartPole-v1 declares no plies"),
+                           (["--negamax", "--no-learn-both-seats"], "--learn-both-seats False: negamax targets")):
+        run = tmp_path / "run"
+        assert parallel_train_dqn.main([*flags, "--output-dir", str(run)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+        assert not run.exists()
+    probe_env("ConnectFour-v0", actions=("Discrete",))
+    chosen = {flag: parallel_train_dqn.negamax_plies(parallel_train_dqn.Config(negamax=flag))
+              for flag in (None, True, False)}
+    assert chosen == {None: plies, True: plies, False: None}
+
+
 def test_win_rates_reached_needs_both_rates():
     reached = parallel_train_dqn.win_rates_reached
     evaluation = {"eval_win_random": 0.9, "eval_win_heuristic": 0.6}

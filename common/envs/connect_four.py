@@ -22,7 +22,8 @@ board with red learner and yellow opponent discs, uint8 ``(288, 336, 3)``).
 Symmetry: the game mirrored left-right (:data:`MIRROR`, column ``c`` -> ``6 - c``), which both env
 classes declare as ``symmetries`` for replay augmentation (common/envs/symmetry.py). Both also
 declare :func:`other_seat`, the opponent's side of a recorded game, so that a learner can learn
-from the moves of both players.
+from the moves of both players, and :func:`plies`, the recorded game as both players' moves in turn,
+each from the side to move, so that a learner can learn negamax values.
 
 Fixed players by name (:func:`make_player`): ``random``, ``heuristic``, and the search players
 ``search1`` .. ``search4`` (:class:`SearchPlayer`), which are held out of every training mix
@@ -98,12 +99,18 @@ def observe(boards: np.ndarray, piece: int = LEARNER) -> np.ndarray:
     return np.stack([boards == piece, boards == -piece], axis=1).astype(np.float32)
 
 
+def boards_of(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(n, 6, 7)`` boards of ``(n, 2, 6, 7)`` observations (+1 = the side whose plane is first, -1 =
+    the other; :func:`observe` backwards) and their ``(n, 7)`` column heights."""
+    boards = np.asarray(obs[:, 0]).astype(np.int8) - np.asarray(obs[:, 1]).astype(np.int8)
+    return boards, (boards != 0).sum(axis=1)
+
+
 def winning_moves(obs: np.ndarray, action_mask: np.ndarray, plane: int) -> np.ndarray:
     """``(n, 7)`` bool: columns where the player of ``plane`` would complete four at once."""
     n = obs.shape[0]
-    boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)  # +1 = side to move, -1 = the other side
+    boards, heights = boards_of(obs)  # +1 = side to move, -1 = the other side
     piece = 1 if plane == 0 else -1
-    heights = (boards != 0).sum(axis=1)
     out = np.zeros((n, COLS), dtype=bool)
     for col in range(COLS):
         legal = np.flatnonzero(action_mask[:, col])
@@ -310,8 +317,7 @@ class SearchPlayer:
 
     def values(self, obs: np.ndarray, action_mask: np.ndarray | None = None) -> np.ndarray:
         """``(n, 7)`` negamax value of each column (``-inf`` where the mask or the board forbids it)."""
-        boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)  # +1 = the side to move
-        heights = (boards != 0).sum(axis=1)
+        boards, heights = boards_of(obs)  # +1 = the side to move
         out = np.concatenate([move_values(boards[i:i + SEARCH_CHUNK], heights[i:i + SEARCH_CHUNK], self.depth)
                               for i in range(0, len(boards), SEARCH_CHUNK)]) if len(boards) else np.zeros((0, COLS))
         if action_mask is not None:
@@ -404,8 +410,7 @@ def lookahead_values(q_values_fn, obs: np.ndarray, depth: int, action_mask: np.n
     if depth < 0:
         raise ValueError(f"lookahead depth must be >= 0, got {depth}")
     obs = np.asarray(obs, dtype=np.float32)
-    boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)  # +1 = the side to move
-    heights = (boards != 0).sum(axis=1)
+    boards, heights = boards_of(obs)  # +1 = the side to move
     roots = max(1, LOOKAHEAD_LEAVES // COLS ** depth)  # root boards per chunk
     values = np.concatenate([_lookahead(q_values_fn, boards[i:i + roots], heights[i:i + roots], depth, True)
                              for i in range(0, len(boards), roots)]) if len(boards) else np.zeros((0, COLS))
@@ -454,7 +459,7 @@ class LookaheadPlayer:
             env_ids: np.ndarray | None = None) -> np.ndarray:
         obs = np.asarray(obs)
         if action_mask is None:
-            action_mask = legal_mask(((obs[:, 0] + obs[:, 1]) != 0).sum(axis=1))
+            action_mask = legal_mask(boards_of(obs)[1])
         values = self.values(obs, action_mask)
         return sample_legal(self.rng, values == values.max(axis=1, keepdims=True))
 
@@ -473,6 +478,23 @@ MIRROR = Symmetry("mirror", mirror_columns, tuple(range(COLS - 1, -1, -1)))
 
 # ------------------------------------------------------------------ the other seat
 
+def _replies(episode: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the learner's record of a game implies about its opponent: the boards the learner moved on
+    (+1 = learner), each board just after the learner's move (the one the opponent was shown), whether
+    the opponent replied to it, and the column of each reply that was made."""
+    actions = np.asarray(episode["actions"], dtype=np.int64)
+    boards, heights = boards_of(episode["obs"])
+    steps = len(actions)
+    after = boards[:-1].copy()
+    drop(after, heights[:-1], np.arange(steps), actions, LEARNER)
+    replied = np.ones(steps, dtype=bool)
+    replied[-1] = (boards[-1] != after[-1]).any()  # no reply when the learner's move ended the game
+    new_disc = boards[1:][replied] != after[replied]
+    if (new_disc.sum(axis=(1, 2)) != 1).any():
+        raise ValueError("the boards of this record do not follow from its moves one reply apart")
+    return boards, after, replied, new_disc.any(axis=1).argmax(axis=1).astype(np.int64)
+
+
 def other_seat(episode: dict[str, Any]) -> dict[str, Any] | None:
     """The same game as the opponent played it, rebuilt from the learner's record of it, or None.
 
@@ -486,23 +508,43 @@ def other_seat(episode: dict[str, Any]) -> dict[str, Any] | None:
     """
     if not episode["terminated"]:
         return None
-    obs, actions = episode["obs"], np.asarray(episode["actions"], dtype=np.int64)
-    boards = (np.asarray(obs[:, 0]) > 0).astype(np.int8) - (np.asarray(obs[:, 1]) > 0).astype(np.int8)
-    steps = len(actions)
-    after = boards[:-1].copy()  # the board the opponent was shown at each step
-    drop(after, (after != 0).sum(axis=1), np.arange(steps), actions, LEARNER)
-    replied = np.ones(steps, dtype=bool)
-    replied[-1] = (boards[-1] != after[-1]).any()  # no reply when the learner's move ended the game
+    boards, after, replied, replies = _replies(episode)
     if not replied.any():
         return None
-    new_disc = boards[1:][replied] != after[replied]
-    if (new_disc.sum(axis=(1, 2)) != 1).any():
-        raise ValueError("other_seat: the boards of this record do not follow from its moves one reply apart")
     seen = np.concatenate([after[replied], boards[-1:]])
     rewards = np.zeros(int(replied.sum()), dtype=np.float32)
     rewards[-1] = -float(episode["rewards"][-1])
-    return {"obs": observe(seen, OPPONENT), "actions": new_disc.any(axis=1).argmax(axis=1).astype(np.int64),
-            "rewards": rewards, "terminated": True, "masks": legal_mask((seen != 0).sum(axis=1))}
+    return {"obs": observe(seen, OPPONENT), "actions": replies, "rewards": rewards, "terminated": True,
+            "masks": legal_mask((seen != 0).sum(axis=1))}
+
+
+def plies(episode: dict[str, Any]) -> dict[str, Any]:
+    """The learner's record of a game as the alternating moves of both players, one ply at a time.
+
+    Every observation is the board seen by the side to move there (as the self-play network sees
+    every board), every action that side's move, and every reward what the move earned the side
+    that made it: 1 for the move that wins, 0 otherwise (a loss shows as the winner's 1 on the next
+    ply). The value of a ply is then minus the value of the next one, so a learner bootstraps each
+    ply with ``-gamma`` times the best value of the position it leads to (negamax), and learns from
+    every move of both players whoever made them. Same form as the record (``obs`` P+1, ``actions``,
+    ``rewards``, ``terminated``, ``masks``); a game cut before its end ends on the learner's next
+    board, to bootstrap from. A game the opponent opened loses that first move.
+    """
+    boards, after, replied, replies = _replies(episode)
+    steps = len(after)
+    both = np.empty((2 * steps, ROWS, COLS), dtype=np.int8)  # each step: the learner's board, then the reply's
+    both[0::2], both[1::2] = boards[:-1], -after  # the opponent's side: its own discs +1
+    moves = np.zeros(2 * steps, dtype=np.int64)
+    moves[0::2] = episode["actions"]
+    moves[1::2][replied] = replies
+    if replied[-1]:  # the reply ended the game (or the record was cut): the last board follows it
+        seen = np.concatenate([both, boards[-1:]])
+    else:  # the learner's move ended the game: the board after it is the last
+        seen, moves = both, moves[:-1]
+    rewards = np.zeros(len(moves), dtype=np.float32)
+    rewards[-1] = float(bool(episode["terminated"]) and float(episode["rewards"][-1]) != 0)  # the winner moved last
+    return {"obs": observe(seen, LEARNER), "actions": moves, "rewards": rewards,
+            "terminated": bool(episode["terminated"]), "masks": legal_mask((seen != 0).sum(axis=1))}
 
 
 # ------------------------------------------------------------------ vector env
@@ -517,6 +559,7 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
     symmetries = (MIRROR,)
     other_seat = staticmethod(other_seat)  # what learning from both seats uses (common/envs/symmetry.py)
+    plies = staticmethod(plies)  # what negamax targets use (common/envs/symmetry.py)
 
     def __init__(self, num_envs: int = 1, opponent: Player | str | None = None,
                  learner_first: bool | None = None, seed: int | None = None,
@@ -617,6 +660,7 @@ class ConnectFourEnv(gym.Env):
     metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 2}
     symmetries = (MIRROR,)  # what replay augmentation may use (common/envs/symmetry.py)
     other_seat = staticmethod(other_seat)  # what learning from both seats uses (common/envs/symmetry.py)
+    plies = staticmethod(plies)  # what negamax targets use (common/envs/symmetry.py)
 
     def __init__(self, opponent: Player | str | None = None, learner_first: bool | None = None,
                  render_mode: str | None = None):

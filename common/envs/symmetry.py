@@ -16,6 +16,12 @@ A two-player game has one more: the same game seen from the other seat. An env m
 ``rewards``, ``terminated``) into the opponent's record of the same game, or None where it cannot;
 a learner may then store the opponent's moves as experience too (``parallel_train_dqn.py
 --learn-both-seats``). :func:`declared_other_seat` reads it the same way.
+
+A zero-sum game with alternating moves may also declare ``plies``: the learner's record as the moves
+of both players in turn (``obs`` P+1, each seen by the side to move there; ``actions``; ``rewards``,
+each what the move earned its mover; ``terminated``; ``masks``). A move is then worth minus the best
+value of the position it leads to, and a learner can learn negamax values from every move of a game
+(``parallel_train_dqn.py --negamax``). :func:`declared_plies` reads it.
 """
 
 from __future__ import annotations
@@ -82,3 +88,8 @@ def declared_symmetries(env_id: str) -> tuple[Symmetry, ...]:
 def declared_other_seat(env_id: str) -> Callable[[dict], dict | None] | None:
     """The ``other_seat`` function ``env_id``'s registered class declares, or None."""
     return getattr(_registered(env_id), "other_seat", None)
+
+
+def declared_plies(env_id: str) -> Callable[[dict], dict] | None:
+    """The ``plies`` function ``env_id``'s registered class declares, or None."""
+    return getattr(_registered(env_id), "plies", None)
