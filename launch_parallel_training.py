@@ -871,9 +871,9 @@ def torchrun_words(nnodes: str, nproc: int, endpoint: str, rdzv_id: str, opts: a
     ``is_host`` says outright which node hosts the rendezvous: torch's guess compares the endpoint with
     the machine's hostname and misses an address on a second network card, a cluster network's."""
     conf = f"join_timeout={opts.join_timeout}" + ("" if is_host is None else f",is_host={int(is_host)}")
-    return [*([RESTART_ENV] if is_host is not None and opts.max_restarts else []), "torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", _quote(rdzv_id), "--rdzv-conf", conf,
-            "--max-restarts", str(opts.max_restarts)]
+    return [*([RESTART_ENV] if is_host is not None and opts.max_restarts else []), "torchrun", "--nnodes", nnodes,
+            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", _quote(rdzv_id), "--rdzv-conf", conf, "--max-restarts", str(opts.max_restarts)]
 
 
 def build_multinode(report: dict, opts: argparse.Namespace, passthrough: list[str]) -> dict:
@@ -922,7 +922,7 @@ def slurm_script(multinode: dict, facts: dict, script_words: list[str], port: in
         "set -euo pipefail",
         "# srun does not inherit --cpus-per-task from sbatch since Slurm 22.05",
         'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
-        *([f"# torchrun's restarts across nodes need it (pytorch/pytorch#135712)", f"export {RESTART_ENV}"]
+        *(["# torchrun's restarts across nodes need it (pytorch/pytorch#135712)", f"export {RESTART_ENV}"]
           if opts.max_restarts else []),
         "# The rendezvous host: the node whose name sorts first, the one c10d makes rank 0. Its address must be",
         "# reachable only from this job's nodes (a cluster network, never a public interface).",

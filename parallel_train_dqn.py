@@ -78,7 +78,7 @@ class Config(RunConfig):
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)
     learning_starts: int = 1_000  # transitions in the buffer before the first update
     replay_ratio: float = 0.05  # gradient updates per environment transition
-    n_step: int = 1  # n-step returns (rewards of n steps, then the bootstrap value discounted by gamma**n; plies with negamax)
+    n_step: int = 1  # n-step returns (n rewards, then the bootstrap value times gamma**n; n plies with negamax)
     target_update_interval: int = 250  # gradient updates between target-network updates
     tau: float = 1.0  # target update rate: 1 = hard copy, < 1 = Polyak averaging at every interval
     max_grad_norm: float = 10.0  # gradient-norm clipping

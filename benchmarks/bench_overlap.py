@@ -22,7 +22,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,6 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "overlap.md"
 
 # One way to run the script and read its run, shared with the timed benchmark.
 from bench_timed import first_reaching, run, table  # noqa: E402  (benchmarks/ is on sys.path when run)
+
 CARTPOLE = ["--config", str(ROOT / "configs" / "cartpole_fast.yaml")]
 
 # (label, flags): the sequential baseline first, then each worker count in both forms. The YAML's

@@ -171,10 +171,10 @@ def _recv(dist, group, src: int) -> tuple[dict, dict[str, np.ndarray], int]:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes > MAX_MESSAGE_BYTES:
             raise _Broken(f"an array of {nbytes} bytes")
-        array = np.empty(shape, dtype=np.uint8 if dtype == bool else dtype)
+        array = np.empty(shape, dtype=np.uint8 if dtype.kind == "b" else dtype)
         if array.size:
             dist.recv(torch.from_numpy(array), src, group=group)
-        arrays[str(name)] = array.view(bool) if dtype == bool else array
+        arrays[str(name)] = array.view(bool) if dtype.kind == "b" else array
         received += nbytes
     return info, arrays, received
 
@@ -240,7 +240,8 @@ class Hub:
         refused = {}
         for rank, theirs in enumerate(prints):
             if rank and theirs != fingerprint:
-                diff = [f"{k} {theirs.get(k)!r} vs {fingerprint.get(k)!r}" for k in sorted(set(fingerprint) | set(theirs))
+                diff = [f"{k} {theirs.get(k)!r} vs {fingerprint.get(k)!r}"
+                        for k in sorted(set(fingerprint) | set(theirs))
                         if theirs.get(k) != fingerprint.get(k)]
                 refused[rank] = "; ".join(diff)
         self.dist.broadcast_object(refused)

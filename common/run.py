@@ -425,7 +425,8 @@ class Run:
     def start_duration(self) -> None:
         """--duration counts from now (a mode whose workers train as soon as each is up calls it once all
         are): wall_time and the checkpoint interval keep counting from start_clock."""
-        self._deadline = time.monotonic() + self.cfg.duration * 3600 if getattr(self.cfg, "duration", None) else math.inf
+        duration = getattr(self.cfg, "duration", None)
+        self._deadline = time.monotonic() + duration * 3600 if duration else math.inf
 
     def defer(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` when the run ends, however it ends (last registered, first run).

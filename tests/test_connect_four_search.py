@@ -259,7 +259,6 @@ def test_evaluate_reports_win_draw_loss_against_every_opponent_from_both_seats()
 
 def test_the_self_play_script_evaluates_against_every_opponent_and_trains_with_none_held_out():
     import parallel_train_dqn
-
     from common.envs import connect_four
     from common.envs.selfplay import opponent_mixture
 

@@ -231,7 +231,8 @@ def test_missing_package_exits_1_with_how_to_install(monkeypatch, capsys):
 
 def test_every_extra_is_listed_where_its_install_hint_says():
     for extra in launcher.EXTRAS:
-        listed = {re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", line).group(0) for line in (ROOT / extra["file"]).read_text().splitlines()
+        lines = (ROOT / extra["file"]).read_text().splitlines()
+        listed = {re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", line).group(0) for line in lines
                   if line.strip() and not line.startswith("#")}
         assert set(extra["packages"]) <= listed, (extra["extra"], extra["file"])
     optional = {extra["extra"] for extra in launcher.EXTRAS if extra["file"] == "requirements-extras.txt"}

@@ -291,8 +291,8 @@ def run_nodes(commands: list[str], cwd) -> list[subprocess.CompletedProcess]:
             words = shlex.split(command)
             variable, value = words.pop(0).split("=") if words[0] == launcher.RESTART_ENV else ("_", "")
             procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:]], cwd=cwd,
-                                          env={**script_env(), variable: value}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
+                                          env={**script_env(), variable: value}, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
             time.sleep(0.5)  # node 0's agent first: it hosts the store, and its lower pid makes it rank 0 here
         outputs = [p.communicate(timeout=100)[0] for p in procs]
         return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from conftest import run_script
 
+
 def test_compare_results_output_that_is_a_file(tmp_path):
     blocker = tmp_path / "report"
     blocker.write_text("x\n")

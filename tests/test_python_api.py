@@ -123,7 +123,8 @@ SEED_FORMS = textwrap.dedent('''
 
 @pytest.mark.timeout(240)
 def test_the_seeds_python_forms(tmp_path):
-    """Seed 001's UltraTrainingConfig(...) then train, seed 002's train_dqn(...), the population's train(Config(...))."""
+    """Seed 001's UltraTrainingConfig(...) then train, seed 002's train_dqn(...), the population's
+    train(Config(...))."""
     program = tmp_path / "seeds.py"
     program.write_text(SEED_FORMS)
     result = subprocess.run([sys.executable, str(program), str(tmp_path)], cwd=ROOT, env=script_env(),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-import launch_parallel_training as launcher
 import pytest
 from conftest import ROOT
+
+import launch_parallel_training as launcher
 
 
 def entries(name: str) -> dict[str, str]:
