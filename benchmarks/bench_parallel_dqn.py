@@ -126,22 +126,24 @@ def bench_connect_four(opts) -> None:
                      f"{r.get('global_step')} | {r.get('updates')} | `{out.name}` |")
     lines += connect_four_table(runs) + connect_four_curve(runs)
     if opts.search_depth:
-        lines += connect_four_lookahead(runs, opts.search_depth, opts.games)
-    write(f"parallel_dqn_connect_four_{opts.minutes:g}min{'_lookahead' if opts.search_depth else ''}.md", lines)
+        lines += connect_four_lookahead(runs, opts.search_depth, opts.games, opts.random_opening)
+    suffix = ("_lookahead" if opts.search_depth else "") + (f"_opening{opts.random_opening}" if opts.random_opening
+                                                            else "")
+    write(f"parallel_dqn_connect_four_{opts.minutes:g}min{suffix}.md", lines)
 
 
-def connect_four_lookahead(runs: list, depths: list[int], games: int) -> list[str]:
+def connect_four_lookahead(runs: list, depths: list[int], games: int, opening: int = 0) -> list[str]:
     """Each run's final checkpoint scored by ``python -m common.evaluate --search-depth D`` for every
     depth, on the same evaluation seeds: the greedy policy (depth 0) and the lookahead over its
-    Q-network side by side."""
+    Q-network side by side; every game opened by ``opening`` random plies (``--random-opening``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     scored = {}  # (seed, depth) -> (report, seconds)
     for seed, out, _ in runs:
         for depth in depths:
             started = time.monotonic()
             proc = subprocess.run([sys.executable, "-m", "common.evaluate", str(out), "--episodes", str(games // 2),
-                                   "--search-depth", str(depth), "--json"], cwd=ROOT, env=env, capture_output=True,
-                                  text=True)
+                                   "--search-depth", str(depth), "--random-opening", str(opening), "--json"],
+                                  cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"common.evaluate failed on {out} at depth {depth}: {proc.stderr.strip()[-500:]}")
             scored[seed, depth] = json.loads(proc.stdout), time.monotonic() - started
@@ -151,12 +153,16 @@ def connect_four_lookahead(runs: list, depths: list[int], games: int) -> list[st
     seeds = [seed for seed, _, _ in runs]
     run_dirs = " ".join(str(out) for _, out, _ in runs)
     command = (f"python benchmarks/bench_parallel_dqn.py connect-four --runs {run_dirs} "
-               f"--games {games} --search-depth {' '.join(map(str, depths))}")
+               f"--games {games} --search-depth {' '.join(map(str, depths))}"
+               + (f" --random-opening {opening}" if opening else ""))
     lines = ["", "Decision-time lookahead over the learned Q-network (common/envs/connect_four.py "
              "`LookaheadPlayer`: negamax with the rules' wins and draws, the network's best value for the side to "
              "move at the leaves; depth 0 = the greedy policy): each final checkpoint scored by "
-             f"`python -m common.evaluate RUN --search-depth D --episodes {games // 2}`, {games} games per opponent "
-             f"({games // 2} from each seat), the same evaluation seeds at every depth.", "",
+             f"`python -m common.evaluate RUN --search-depth D --episodes {games // 2}"
+             + (f" --random-opening {opening}" if opening else "") + f"`, {games} games per opponent "
+             f"({games // 2} from each seat), the same evaluation seeds at every depth"
+             + (f"; every game opened by {opening} uniformly random plies of both sides" if opening else "") + ".",
+             "",
              f"- command: `{command}`", f"- machine: {machine_line()}", "",
              "Win / draw / loss, both seats together (per seed, then the median of the win rates):", "",
              "| opponent | depth | " + " | ".join(f"seed {seed}" for seed in seeds) + " | median win |",
@@ -335,6 +341,9 @@ def main() -> None:
     c4.add_argument("--search-depth", type=int, nargs="+", default=[],
                     help="also score the final checkpoints through a lookahead of these depths over the Q-network "
                          "(python -m common.evaluate --search-depth; 0 = greedy), in ..._lookahead.md")
+    c4.add_argument("--random-opening", type=int, default=0, metavar="PLIES",
+                    help="with --search-depth: open every scored game with this many random plies "
+                         "(python -m common.evaluate --random-opening), in ..._opening<PLIES>.md")
     throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
     throughput.add_argument("--seconds", type=float, default=10)
     throughput.add_argument("--games", type=int, default=16)

@@ -15,6 +15,9 @@ coverage, Market profit). A two-player
 built-in whose module names ``EVALUATION_OPPONENTS`` (ConnectFour: random, heuristic and the search
 players search1-4, which no training mix may contain) is also played ``--episodes`` games against each,
 from each seat, and reports win, draw and loss rates per seat and for both together.
+``--random-opening N`` opens every episode and game of a two-player built-in with N uniformly random
+moves (ConnectFour: at most 6), so that a deterministic policy and a search player, which would
+repeat a handful of games, meet in many positions; the report says so (``random_opening``).
 ``--search-depth N`` (default 0: greedy) plays every episode and game of the report through a
 depth-N lookahead over the run's Q-network instead, for a two-player built-in whose env module
 offers one (its ``LookaheadPlayer``; ConnectFour: a negamax with the rules' wins and draws and the
@@ -22,7 +25,8 @@ network's values at the leaves); the report says the depth it played with (``sea
 report names the checkpoint it played, the script and step that wrote it and, for an agent of a
 population, its member number. Exit status: 0, or 2 with one line for a path that holds no usable
 checkpoint, an env that cannot be recorded (no rgb_array mode) or shown, a ``--search-depth`` above 0
-for an env without lookahead or a policy that is not a Q-network, or flags that exclude each other.
+for an env without lookahead or a policy that is not a Q-network, a ``--random-opening`` the env does not
+offer, or flags that exclude each other.
 """
 
 from __future__ import annotations
@@ -215,6 +219,20 @@ def lookahead_player(policy, env_id: str, depth: int, seed: int):
     return player(q_values, depth, seed)
 
 
+def opening_kwargs(env_id: str, plies: int) -> dict:
+    """The env kwargs of ``--random-opening``: every game opens with ``plies`` uniformly random moves, for a
+    two-player built-in whose env module says how many it allows (``MAX_RANDOM_OPENING``)."""
+    if plies == 0:
+        return {}
+    most = getattr(env_module(env_id), "MAX_RANDOM_OPENING", None)
+    if most is None:
+        raise EvaluationError(f"--random-opening {plies}: {env_id} has no random openings (its env module has no "
+                              "MAX_RANDOM_OPENING); only 0 is allowed")
+    if plies > most:
+        raise EvaluationError(f"--random-opening {plies}: {env_id} opens games with at most {most} random plies")
+    return {"random_opening": plies}
+
+
 def match(policy, env_id: str, env_kwargs: dict, opponent: str, games: int, seed: int) -> dict:
     """``games`` games of ``policy`` (greedy, or a lookahead player) against ``opponent`` from each seat:
     ``{"first"|"second"|"both": {"win", "draw", "loss"}}`` rates."""
@@ -272,12 +290,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--search-depth", type=int, default=0,
                         help="two-player built-ins: play through a lookahead of this many plies over the "
                              "Q-network (default 0 = greedy)")
+    parser.add_argument("--random-opening", type=int, default=0, metavar="PLIES",
+                        help="two-player built-ins: open every game with this many uniformly random moves, so that "
+                             "deterministic players meet in many positions (default 0)")
     parser.error = lambda message: _usage(message)
     args = parser.parse_args(argv)
     if args.episodes < 1:
         _usage(f"--episodes {args.episodes}: must be >= 1")
     if args.search_depth < 0:
         _usage(f"--search-depth {args.search_depth}: must be >= 0 (0 = greedy)")
+    if args.random_opening < 0:
+        _usage(f"--random-opening {args.random_opening}: must be >= 0")
     if args.render and args.video:
         _usage("--render and --video exclude each other (a video is drawn off screen)")
     return args
@@ -295,14 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = find_checkpoint(args.path, args.member)
         policy, env, about = load(path, args.device)
-        env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {})}
+        env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {}),
+                      **opening_kwargs(env["id"], args.random_opening)}
         player = lookahead_player(policy, env["id"], args.search_depth, args.seed)
         episodes, observations = play(player, env["id"], env_kwargs, args.episodes, args.seed,
                                       "human" if args.render else None, args.video)
     except EvaluationError as err:
         _usage(str(err))
     result = {"checkpoint": str(path), **about, **report(episodes, env["id"], env_kwargs, player, args.seed),
-              "search_depth": args.search_depth}
+              "search_depth": args.search_depth, "random_opening": args.random_opening}
     if args.video:
         result["videos"] = [str(p) for p in videos(args.video, env["id"])]
     if args.export:
@@ -315,11 +339,13 @@ def _text(result: dict) -> str:
     member = f" (population member {result['member']})" if "member" in result else ""
     played = (f"episodes through a depth-{result['search_depth']} lookahead over the Q-network"
               if result.get("search_depth") else "greedy episodes")
+    if result.get("random_opening"):
+        played += f", each opened by {result['random_opening']} random plies"
     lines = [f"{result['checkpoint']}{member}: {result['env_id']}, {result['episodes']} {played}",
              f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
              f"mean length {result['mean_length']:.1f}"]
     skip = {"checkpoint", "member", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos",
-            "export", "opponents", "search_depth"}
+            "export", "opponents", "search_depth", "random_opening"}
     for key, value in result.items():
         if key not in skip:
             shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value

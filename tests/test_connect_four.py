@@ -192,6 +192,29 @@ def test_vector_env_seats_and_determinism():
     assert (env.reset()[:, 1].sum(axis=(1, 2)) == 1).all()  # one opponent disc each
 
 
+def test_random_openings_play_both_sides_then_hand_over_in_turn():
+    """random_opening=N: N random plies of both sides, the first player's first, then the learner is shown the
+    board where it is its turn (after the opponent's reply where the opponent is to move); games differ; 7 and
+    more are refused (a game could be decided)."""
+    for plies in range(7):
+        for learner_first in (True, False):
+            env = make_vec_env("ConnectFour-v0", 32, seed=plies, opponent="random", learner_first=learner_first,
+                               random_opening=plies)
+            obs = env.reset()
+            mine, theirs = obs[:, 0].sum(axis=(1, 2)), obs[:, 1].sum(axis=(1, 2))
+            # the learner to move: as the first player it has as many discs as the opponent, else one fewer
+            assert (mine == theirs - (0 if learner_first else 1)).all() and (mine + theirs >= plies).all()
+            assert (mine + theirs <= plies + 1).all()
+            if plies >= 2:
+                assert len({o.tobytes() for o in obs}) > 8  # many different openings
+            env.close()
+    with pytest.raises(ValueError, match="random_opening must be 0..6"):
+        make_vec_env("ConnectFour-v0", 1, seed=0, random_opening=7)
+    single = gym.make("ConnectFour-v0", random_opening=3, learner_first=True)
+    obs, _ = single.reset(seed=4)
+    assert obs[0].sum() == obs[1].sum() == 2  # 3 random plies and the opponent's reply
+
+
 def test_rgb_array_frame_shows_the_discs_where_they_lie():
     env = gym.make("ConnectFour-v0", render_mode="rgb_array", opponent=Scripted([0]))
     assert "rgb_array" in env.metadata["render_modes"] and env.metadata["render_fps"] > 0

@@ -212,3 +212,25 @@ def test_search_depth_is_refused_in_one_line_where_no_lookahead_exists(tmp_path,
         code, out, err = run_evaluate(capsys, path, "--episodes", "1", "--search-depth", depth)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
         assert out == ""
+
+
+def test_random_openings_diversify_the_report_or_are_refused_in_one_line(tmp_path, capsys):
+    """--random-opening N opens every game of the report with N random plies (reported as random_opening); a
+    deterministic policy then meets a search player in many positions. Refused where the env has none, beyond
+    the env's most, or below 0."""
+    from common.networks import QNetwork
+
+    torch.manual_seed(0)
+    path = checkpoint(tmp_path / "c4.pt", "ConnectFour-v0", QNetwork(*spaces("ConnectFour-v0"), (16,)))
+    code, out, err = run_evaluate(capsys, path, "--episodes", "40", "--random-opening", "4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["random_opening"] == 4 and set(report["opponents"]) >= {"random", "search1"}
+    code, out, err = run_evaluate(capsys, path, "--episodes", "2", "--random-opening", "2")
+    assert code == 0 and "each opened by 2 random plies" in out.splitlines()[0], out
+    cartpole = checkpoint(tmp_path / "cartpole.pt", "CartPole-v1", QNetwork(*spaces("CartPole-v1"), (8,)))
+    for where, plies, message in ((cartpole, 2, "CartPole-v1 has no random openings"),
+                                  (path, 7, "at most 6 random plies"), (path, -1, "must be >= 0")):
+        code, out, err = run_evaluate(capsys, where, "--episodes", "1", "--random-opening", plies)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert out == ""

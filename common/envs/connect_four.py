@@ -51,6 +51,7 @@ from common.envs.symmetry import Symmetry
 ROWS, COLS = 6, 7
 LEARNER, OPPONENT = 1, -1
 CENTRE_WEIGHTS = np.array([1, 2, 3, 4, 3, 2, 1], dtype=np.float64)
+MAX_RANDOM_OPENING = 6  # random plies that may open a game: the first four in a row takes seven
 CELL_PIXELS = 48  # a cell of the rgb_array picture (a multiple of 16, as video encoders like)
 DISC_COLOURS = {0: (235, 235, 235), LEARNER: (220, 40, 40), OPPONENT: (245, 200, 30)}
 BOARD_COLOUR = (30, 70, 200)
@@ -553,6 +554,8 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
     """``num_envs`` games stepped together in numpy, with same-step autoreset.
 
     ``learner_first``: True/False fixes the learner's seat, None draws it per game.
+    ``random_opening``: every game opens with this many uniformly random moves (0-6 plies, the
+    first player's first), so that games between deterministic players start from many positions.
     The opponent acts once for all games that need a reply, in one batched call.
     """
 
@@ -563,8 +566,13 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
 
     def __init__(self, num_envs: int = 1, opponent: Player | str | None = None,
                  learner_first: bool | None = None, seed: int | None = None,
-                 max_episode_steps: int | None = None):  # games end by themselves within 21 steps
+                 max_episode_steps: int | None = None,  # games end by themselves within 21 steps
+                 random_opening: int = 0):
+        if not 0 <= random_opening <= MAX_RANDOM_OPENING:
+            raise ValueError(f"random_opening must be 0..{MAX_RANDOM_OPENING} plies (no game is decided that "
+                             f"early), got {random_opening}")
         self.num_envs = num_envs
+        self.random_opening = random_opening
         self.single_observation_space = gym.spaces.Box(0.0, 1.0, (2, ROWS, COLS), np.float32)
         self.single_action_space = gym.spaces.Discrete(COLS)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
@@ -597,8 +605,13 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
         start_games = getattr(self.opponent, "start_games", None)
         if start_games is not None:
             start_games(env_ids)
-        opponent_first = env_ids[~_seat_draw(self.np_random, self.learner_first, len(env_ids))]
-        self._opponent_moves(opponent_first)
+        learner_first = _seat_draw(self.np_random, self.learner_first, len(env_ids))
+        for ply in range(self.random_opening):  # uniformly random moves of both sides, the first player's first
+            piece = np.where(learner_first == (ply % 2 == 0), LEARNER, OPPONENT)
+            columns = sample_legal(self.np_random, legal_mask(self.heights[env_ids]))
+            self.boards[env_ids, self.heights[env_ids, columns], columns] = piece
+            self.heights[env_ids, columns] += 1
+        self._opponent_moves(env_ids[learner_first == (self.random_opening % 2 == 1)])  # where it is its turn
 
     def _opponent_moves(self, env_ids: np.ndarray) -> None:
         if env_ids.size == 0:
@@ -663,11 +676,12 @@ class ConnectFourEnv(gym.Env):
     plies = staticmethod(plies)  # what negamax targets use (common/envs/symmetry.py)
 
     def __init__(self, opponent: Player | str | None = None, learner_first: bool | None = None,
-                 render_mode: str | None = None):
+                 render_mode: str | None = None, random_opening: int = 0):
         self.observation_space = gym.spaces.Box(0.0, 1.0, (2, ROWS, COLS), np.float32)
         self.action_space = gym.spaces.Discrete(COLS)
         self.render_mode = render_mode
-        self._vec = ConnectFourVectorEnv(1, opponent=opponent, learner_first=learner_first)
+        self._vec = ConnectFourVectorEnv(1, opponent=opponent, learner_first=learner_first,
+                                         random_opening=random_opening)
         self._done = True
 
     def set_opponent(self, opponent: Player | str) -> None:
