@@ -46,7 +46,7 @@ from common.config import aliased, require, require_positive
 from common.distributed import PeerFailure
 from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer, stop_message
 from common.lazy import lazy_import
-from common.replay import ReplayBuffer, fit_buffer_size, replay_bytes, storage_dtype
+from common.replay import ReplayBuffer, episode_transitions, fit_buffer_size, replay_bytes, storage_dtype
 from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
 from common.system import resolve_device, usable_cores
 
@@ -273,23 +273,32 @@ def make_manager(run, model, epsilon: float, seed: int, log_dir: str | None):
 
 # --------------------------------------------------------------------------- the learner
 
-def store_episode(buffer: ReplayBuffer, ep: dict, symmetries: tuple, gamma: float, n_step: int,
-                  other_seat=None, plies=None) -> None:
-    """One whole episode into the replay buffer, and once more under each of the env's symmetries; with
-    ``other_seat``, the opponent's side of the same game too (the same way). With ``plies`` the game is
-    stored one ply at a time, both players' moves, each bootstrapped with ``-gamma`` times the value of
-    the position it leads to for the side to move there (negamax; ``n_step`` then counts plies)."""
-    if plies is not None:
-        ep, gamma, other_seat = plies(ep), -gamma, None
-    if other_seat is not None:
-        opponent = other_seat(ep)
-        if opponent is not None:
-            store_episode(buffer, opponent, symmetries, gamma, n_step)
-    buffer.add_episode(ep["obs"], ep["actions"], ep["rewards"], ep["terminated"], ep.get("masks"), gamma, n_step)
+def store_episodes(buffer: ReplayBuffer, episodes: list[dict], symmetries: tuple, gamma: float, n_step: int,
+                   other_seat=None, plies=None) -> None:
+    """Whole episodes into the replay buffer in one write, then once more under each of the env's symmetries.
+
+    With ``other_seat`` the opponent's side of each game is stored too, before the learner's. With ``plies``
+    each game is stored one ply at a time, both players' moves, each bootstrapped with ``-gamma`` times the
+    value of the position it leads to for the side to move there (negamax; ``n_step`` then counts plies).
+    """
+    records = []
+    for ep in episodes:
+        if plies is not None:
+            records.append(plies(ep))
+        else:
+            records += [r for r in (other_seat(ep) if other_seat is not None else None, ep) if r is not None]
+    if not records:
+        return
+    discount = -gamma if plies is not None else gamma
+    rows = [episode_transitions(r["obs"], r["actions"], r["rewards"], r["terminated"], r.get("masks"), discount,
+                                n_step) for r in records]
+    batch = {key: None if rows[0][key] is None else np.concatenate([row[key] for row in rows]) for key in rows[0]}
+    buffer.add_batch(**batch)
     for symmetry in symmetries:
-        masks = ep.get("masks")
-        buffer.add_episode(symmetry.observations(ep["obs"]), symmetry.actions(ep["actions"]), ep["rewards"],
-                           ep["terminated"], symmetry.masks(masks) if masks is not None else None, gamma, n_step)
+        masks = batch["next_masks"]
+        buffer.add_batch(**{**batch, "obs": symmetry.observations(batch["obs"]), "actions": symmetry.actions(
+            batch["actions"]), "next_obs": symmetry.observations(batch["next_obs"]),
+            "next_masks": None if masks is None else symmetry.masks(masks)})
 
 
 class DQNTrainer:
@@ -380,9 +389,8 @@ class DQNTrainer:
                 self.run.log.info("rank %d: its first %d episode(s) arrived", rank, len(batch.episodes))
             self.episodes_by_rank[rank] += len(batch.episodes)
             self.steps_by_rank[rank] += sum(ep["length"] for ep in batch.episodes)
-            for ep in batch.episodes:
-                store_episode(self.buffer, ep, self.symmetries, cfg.gamma, cfg.n_step, self.other_seat, self.plies)
-                episodes.append(ep)
+            episodes += batch.episodes
+        store_episodes(self.buffer, episodes, self.symmetries, cfg.gamma, cfg.n_step, self.other_seat, self.plies)
         steps = sum(ep["length"] for ep in episodes)
         self.pool.record(episodes)
         self.run.counters["global_step"] += steps

@@ -63,6 +63,20 @@ def nstep_returns(rewards: np.ndarray, gamma: float, n: int) -> tuple[np.ndarray
     return returns, k
 
 
+def episode_transitions(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: bool,
+                        masks: np.ndarray | None = None, gamma: float = 0.99, n_step: int = 1) -> dict:
+    """One whole episode (T+1 observations, the last the final one; T actions and rewards; T+1 legal-action
+    masks or None) as the T rows a buffer stores, keyed as :meth:`ReplayBuffer.add_batch` takes them: row t
+    holds the n-step return from step t (fewer rewards at the end), the observation it bootstraps from and
+    its mask, ``gamma**k`` for the ``k`` rewards summed, and ``dones`` where the episode terminated within
+    them (a time-limit cut is not terminal, so its last rows bootstrap)."""
+    returns, k = nstep_returns(rewards, gamma, n_step)
+    ahead = np.arange(len(actions)) + k  # index of the bootstrap observation
+    return {"obs": obs[:-1], "actions": np.asarray(actions), "rewards": returns.astype(np.float32),
+            "next_obs": obs[ahead], "dones": (ahead == len(actions)) & bool(terminated),
+            "next_masks": masks[ahead] if masks is not None else None, "discounts": (gamma**k).astype(np.float32)}
+
+
 # ---------------------------------------------------------------------------- memory plan
 
 def fit_buffer_size(requested: int | None, default: int, bytes_per_transition: int, shared: bool = False,
@@ -195,12 +209,7 @@ class ReplayBuffer:
         With ``n_step`` > 1 the row of step t holds the discounted sum of rewards t..t+n-1
         (fewer at the episode's end), the observation n steps later and gamma**k.
         """
-        returns, k = nstep_returns(rewards, gamma, n_step)
-        ahead = np.arange(len(actions)) + k  # index of the bootstrap observation
-        dones = (ahead == len(actions)) & bool(terminated)
-        next_masks = masks[ahead] if masks is not None else None
-        self.add_batch(obs[:-1], actions, returns.astype(np.float32), obs[ahead], dones, next_masks,
-                       (gamma**k).astype(np.float32))
+        self.add_batch(**episode_transitions(obs, actions, rewards, terminated, masks, gamma, n_step))
 
     def sample(self, batch_size: int, beta: float | None = None) -> ReplaySample:
         """``batch_size`` uniformly drawn transitions (``beta`` is for the prioritized buffer's interface)."""

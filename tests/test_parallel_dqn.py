@@ -194,7 +194,7 @@ def test_mirror_augment_stores_every_move_mirrored():
     episode = {"obs": obs, "actions": np.array([0, 1, 5]), "rewards": np.array([0.0, 0.0, 1.0]), "terminated": True,
                "masks": masks}
     buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
-    parallel_train_dqn.store_episode(buffer, episode, declared_symmetries("ConnectFour-v0"), 0.99, 1)
+    parallel_train_dqn.store_episodes(buffer, [episode], declared_symmetries("ConnectFour-v0"), 0.99, 1)
     assert len(buffer) == 6  # each move twice: as played, then mirrored
     assert (buffer.obs[:3] == obs[:3]).all() and buffer.actions[:3].tolist() == [0, 1, 5]
     assert (buffer.obs[3:6] == obs[:3, :, :, ::-1]).all() and (buffer.next_obs[3:6] == obs[1:, :, :, ::-1]).all()
@@ -202,7 +202,7 @@ def test_mirror_augment_stores_every_move_mirrored():
     assert (buffer.next_masks[3:6] == masks[1:, ::-1]).all() and not buffer.next_masks[5, 5]
     assert buffer.rewards[3:6].tolist() == buffer.rewards[:3].tolist() and buffer.dones[:6].tolist() == [0, 0, 1] * 2
     plain = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
-    parallel_train_dqn.store_episode(plain, episode, (), 0.99, 1)  # --no-mirror-augment
+    parallel_train_dqn.store_episodes(plain, [episode], (), 0.99, 1)  # --no-mirror-augment
     assert len(plain) == 3
 
 
@@ -293,7 +293,7 @@ def test_learn_both_seats_stores_the_opponents_moves_and_is_refused_without_a_de
                "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
                "masks": np.ones((3, 7), dtype=bool)}
     buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
-    parallel_train_dqn.store_episode(buffer, episode, (), 0.99, 1, other_seat)
+    parallel_train_dqn.store_episodes(buffer, [episode], (), 0.99, 1, other_seat)
     assert len(buffer) == 4  # the opponent's two replies, then the learner's two moves
     assert buffer.actions[:4].tolist() == [2, 4, 3, 3] and buffer.rewards[:4].tolist() == [0.0, 1.0, 0.0, -1.0]
     assert buffer.obs[0, 1, 0, 3] == 1 and buffer.obs[0].sum() == 1  # the opponent saw the learner's disc as theirs
@@ -365,7 +365,7 @@ def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_i
                "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
                "masks": np.ones((3, 7), dtype=bool)}
     buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
-    parallel_train_dqn.store_episode(buffer, episode, (), 0.9, 1, plies=plies)
+    parallel_train_dqn.store_episodes(buffer, [episode], (), 0.9, 1, plies=plies)
     assert len(buffer) == 4 and buffer.actions[:4].tolist() == [3, 2, 3, 4]
     assert buffer.rewards[:4].tolist() == [0.0, 0.0, 0.0, 1.0] and buffer.dones[:4].tolist() == [0, 0, 0, 1]
     assert np.allclose(buffer.discounts[:4], -0.9)
@@ -377,7 +377,7 @@ def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_i
                                sample(buffer.discounts[2:3]), next_action_mask=sample(buffer.next_masks[2:3]))
     assert td.item() == pytest.approx(abs(0.0 - (-0.9 * 1.0)))  # the opponent's best reply is worth 1 to it
     three = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
-    parallel_train_dqn.store_episode(three, episode, (), 0.9, 3, plies=plies)
+    parallel_train_dqn.store_episodes(three, [episode], (), 0.9, 3, plies=plies)
     # the ply after the learner's first move: the opponent wins two of its moves later (+0.81 for it)
     assert np.allclose(three.rewards[:4], [0.0, 0.81, -0.9, 1.0]) and three.dones[:4].tolist() == [0, 1, 1, 1]
     assert np.isclose(three.discounts[0], -0.729)
