@@ -90,13 +90,16 @@ def bench_connect_four(opts) -> None:
     opponent), trained for --minutes per seed, one seed after another; or, with --runs, the report
     of runs made before (their summary.json and metrics.csv)."""
     load_before = machine_line()
-    runs = []
+    runs, trained_games = [], opts.games  # the final evaluation's games per opponent, in training
     if opts.runs:
         for out in map(Path, opts.runs):
             summary = json.loads((out / "summary.json").read_text())
             runs.append((summary["seed"], out, {"returncode": summary.get("exit_code"), **summary}))
         started = min((out / "config.yaml").stat().st_mtime for _, out, _ in runs)
         ended = max((out / "summary.json").stat().st_mtime for _, out, _ in runs)
+        import yaml
+
+        trained_games = 2 * yaml.safe_load((runs[0][1] / "config.yaml").read_text())["eval_episodes"]
         load_before = (f"trained {datetime.fromtimestamp(started, UTC):%Y-%m-%d %H:%M} to "
                        f"{datetime.fromtimestamp(ended, UTC):%H:%M} UTC; this report rebuilt from their run "
                        f"directories with --runs")
@@ -111,13 +114,14 @@ def bench_connect_four(opts) -> None:
             f"{o} {final.get(f'eval_win_{o}', float('nan')):.0%}" for o in CONNECT_FOUR_OPPONENTS), flush=True)
     seeds = " ".join(str(seed) for seed, _, _ in runs)
     command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds {seeds} "
-               f"--games {opts.games}{' --extra ' + repr(opts.extra) if opts.extra else ''}")
+               f"--games {trained_games}{' --extra ' + repr(opts.extra) if opts.extra else ''}")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
-             f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: self-play against "
-             "the latest policy, past snapshots drawn by prioritized fictitious self-play and a random player; "
+             f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: negamax targets "
+             "from both players' moves; self-play against the latest policy, past snapshots drawn by prioritized "
+             "fictitious self-play and a random player; "
              f"neither the heuristic nor the search players take part in training), {opts.minutes:g} min of "
              f"training per seed, {len(runs)} seed(s) one after another. Final evaluation: the greedy policy, "
-             f"{opts.games} games per opponent ({opts.games // 2} from each seat).", "",
+             f"{trained_games} games per opponent ({trained_games // 2} from each seat).", "",
              f"- before: {load_before}", f"- after: {machine_line()}", f"- command: `{command}`", "",
              "| seed | exit | stop reason | episodes | env steps | gradient updates | run |",
              "|---|---|---|---|---|---|---|"]
