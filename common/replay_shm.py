@@ -325,8 +325,18 @@ class ReplayBuffer:
 
     # -- checkpointing
     def state(self) -> dict[str, np.ndarray]:
-        """A copy of every committed transition and cursor, for an optional replay checkpoint."""
-        return {name: np.array(value) for name, value in self.arrays.items()}
+        """A copy of every committed transition and cursor, for an optional replay checkpoint.
+
+        Actors may go on writing while it is taken, so it reads as :meth:`sample` does: sequence numbers,
+        then the fields, then the sequence numbers again; a slot written meanwhile, or half-written, is
+        saved with sequence number 0 (empty), and is written again after a resume. The cursors are read
+        first, so every slot below a saved cursor was committed before the copy began."""
+        cursors = np.array(self.arrays["cursors"])
+        seq_before = np.array(self.arrays["seq"])
+        state = {name: np.array(value) for name, value in self.arrays.items() if name not in ("cursors", "seq")}
+        seq_after = self.arrays["seq"]
+        seq_before[(seq_before != seq_after) | (seq_before % 2 == 1)] = 0
+        return {**state, "cursors": cursors, "seq": seq_before}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Restore what :meth:`state` saved, all of it or (ValueError) nothing: a buffer of another layout

@@ -125,6 +125,10 @@ def test_half_written_slots_of_a_killed_writer_are_never_sampled():
         replay.sync()
         seq = replay.arrays["seq"][:64]
         assert (seq % 2 == 1).sum() == 16, "the interrupted slots are marked as being written"
+        # A replay checkpoint taken now saves the half-written slots as empty, the committed ones as they are.
+        state = replay.state()
+        torn = seq % 2 == 1
+        assert (state["seq"][:64][torn] == 0).all() and (state["seq"][:64][~torn] == seq[~torn]).all()
         for _ in range(50):
             ids = assert_consistent(replay.sample(64))  # -1 rows from the torn write would fail here
             assert (ids >= 0).all()
