@@ -73,7 +73,7 @@ from common.run import (
     run_training,
     train_in_process,
 )
-from common.runlog import read_metrics, setup_logging
+from common.runlog import setup_logging
 from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_torch_threads
 from common.system import assign_devices, format_bytes, shm_shortfall, threads_per_process
 
@@ -1021,8 +1021,9 @@ class Population:
                 "best_worker": self.leaderboard[0]["worker"] if self.leaderboard else None,
                 **(self.remote.summary() if self.remote else {})}
 
-    def plot(self, run) -> None:
-        plot_population(read_metrics(run.run_dir / "metrics.csv"), run.run_dir / "plots" / "population.png")
+    def plots(self, run) -> list[dict]:
+        return [{"plot": "population", "out": str(run.run_dir / "plots" / "population.png"),
+                 "title": f"train_ppo_multiprocess: {run.cfg.env_id}, {run.cfg.num_workers} members"}]
 
 
 class PopulationNode:
@@ -1112,29 +1113,6 @@ def perturb(hyper: dict[str, float], amount: float, rng: np.random.Generator) ->
         else:
             out[name] = float(f"{value * factor:.6g}")
     return out
-
-
-def plot_population(rows: list[dict], path: Path) -> None:
-    """Every worker's training return against its own steps, one line each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    workers = sorted({int(r["worker"]) for r in rows if r.get("worker")})
-    for index in workers:
-        mine = [r for r in rows if r.get("worker") == str(index) and r.get("episodic_return")]
-        ax.plot([int(r["worker_step"]) for r in mine], [float(r["episodic_return"]) for r in mine], linewidth=1,
-                label=f"worker {index}")
-    ax.set_xlabel("env steps of the worker")
-    ax.set_ylabel("mean episode return per update")
-    ax.grid(alpha=0.3)
-    if 0 < len(workers) <= 16:
-        ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

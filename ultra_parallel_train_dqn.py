@@ -709,13 +709,11 @@ class UltraTrainer:
                 "rank_episodes": {str(r): n for r, n in enumerate(self.rank_episodes)},
                 **(self.hub.summary() if self.hub is not None else {})}
 
-    def plot(self, run) -> None:
-        from common.runlog import read_metrics
-
-        cfg = self.cfg
-        plot_results(read_metrics(run.run_dir / "metrics.csv"), run.run_dir / "plots" / "ultra_training_results.png",
-                     f"ultra_parallel_train_dqn: {cfg.env_id}, {cfg.num_workers} actor(s) x {cfg.num_envs_per_worker} "
-                     f"envs, {'async' if cfg.async_training else 'sync'}")
+    def plots(self, run) -> list[dict]:
+        cfg = run.cfg
+        return [{"plot": "ultra_results", "out": str(run.run_dir / "plots" / "ultra_training_results.png"),
+                 "title": f"ultra_parallel_train_dqn: {cfg.env_id}, {cfg.num_workers} actor(s) x "
+                          f"{cfg.num_envs_per_worker} envs, {'async' if cfg.async_training else 'sync'}"}]
 
 
 # --------------------------------------------------------------------------- past one machine
@@ -898,48 +896,6 @@ def trainer_for(run):
 
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
-
-
-def plot_results(rows: list[dict], path, title: str) -> None:
-    """ultra_training_results.png: reward, coverage (or episode length), loss and throughput over time."""
-    if not rows:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def col(key: str) -> np.ndarray:
-        return np.array([float(r[key]) if r.get(key) not in (None, "") else np.nan for r in rows])
-
-    t = col("wall_time")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    has_coverage = np.isfinite(col("coverage")).any()
-    for ax, key, label in ((axes[0, 0], "return", "episode return"), (axes[0, 1], "coverage", "coverage (%)")):
-        if key == "coverage" and not has_coverage:
-            ax.plot(t, col("episodic_length"), ".", markersize=3)
-            ax.set_ylabel("episode length")
-            continue
-        scale = 100 if key == "coverage" else 1
-        ax.plot(t, scale * col("coverage" if key == "coverage" else "episodic_return"), ".", markersize=3, alpha=0.5,
-                label="episodes in interval")
-        ax.plot(t, scale * col(f"{key}_mean100"), "-", label="mean of last 100")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    axes[1, 0].plot(t, col("loss"))
-    axes[1, 0].set_ylabel("TD loss")
-    axes[1, 0].set_yscale("log")
-    axes[1, 1].plot(t, col("sps"), label="env steps/s")
-    axes[1, 1].plot(t, col("samples_per_s"), label="learner samples/s")
-    axes[1, 1].set_ylabel("throughput")
-    axes[1, 1].legend(fontsize=8)
-    for ax in axes.flat:
-        ax.set_xlabel("wall time (s)")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__.split("\n\n")[0],

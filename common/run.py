@@ -67,7 +67,6 @@ from common.runlog import (
     RunLock,
     close_log_files,
     default_run_dir,
-    read_metrics,
     setup_logging,
     write_summary,
 )
@@ -394,6 +393,7 @@ class Run:
         self.log = logging.getLogger(f"prl.{script}")
         self.sampler = ProcessTreeSampler()
         self.supervisors: list = []
+        self.plotter = None  # rank 0's plotter process (common/plots.py), started by execute()
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0,
                          "best_mean_return": None, "recent_returns": []}
         if resumed is not None:
@@ -753,10 +753,16 @@ def execute(mode: Mode, run: Run) -> int:
     """Steps 4 to 7: build the trainer, train, save, summarize; every failure has its exit status.
     The run's Ctrl+C and SIGTERM handlers are in place for exactly this long, however it ends (a
     program that calls train() again, or goes on, gets its own handlers back)."""
+    from common.plots import Plotter
+
     run.graceful.install()
+    # The plotter imports matplotlib while this process starts its workers, imports torch and trains.
+    run.plotter = Plotter.start() if run.is_main else None
     try:
         return _train_save_summarize(mode, run)
     finally:
+        if run.plotter is not None:
+            run.plotter.close()
         run.graceful.uninstall()
 
 
@@ -832,13 +838,17 @@ def finish(run: Run, trainer: Any, exit_code: int, reason: str, save: bool) -> i
 
 
 def _plot(run: Run, trainer: Any) -> None:
-    from common.plots import plot_training_curve
-
+    """``plots/training_curve.png`` and the trainer's own plots (``trainer.plots(run)``), drawn by the
+    run's plotter (common/plots.py); a plot that fails is logged and the run goes on."""
+    metrics = str(run.run_dir / "metrics.csv")
+    plots = [{"plot": "training_curve", "metrics": metrics, "out": str(run.run_dir / "plots" / "training_curve.png"),
+              "title": f"{run.script}: {run.cfg.env_id}"}]
     try:
-        rows = read_metrics(run.run_dir / "metrics.csv")
-        title = f"{run.script}: {run.cfg.env_id}"
-        plot_training_curve(rows, run.run_dir / "plots" / "training_curve.png", title)
-        if trainer is not None and hasattr(trainer, "plot"):
-            trainer.plot(run)
+        if trainer is not None and hasattr(trainer, "plots"):
+            plots += [{"metrics": metrics, **plot} for plot in trainer.plots(run)]
+        errors = run.plotter.draw(plots)
     except Exception:  # a plot is never worth failing a finished run
         run.log.exception("could not draw the plots")
+        return
+    for error in errors:
+        run.log.error("could not draw the plots:\n%s", error.rstrip())

@@ -15,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SHM = Path("/dev/shm")
+# Children of a run that are not its workers: multiprocessing's resource tracker and the plotter
+# (common/plots.py), told apart by their command lines.
+HELPERS = ("resource_tracker", "common.plots")
 
 
 def script_env() -> dict[str, str]:

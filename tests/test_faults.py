@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import kill_tree, run_script, start_script
+from conftest import HELPERS, kill_tree, run_script, start_script
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.runlog import read_metrics
@@ -87,12 +87,12 @@ IDS = [s.name for s in SCRIPTS]
 # ------------------------------------------------------------------------ helpers
 
 def workers_of(pid: int) -> list[int]:
-    """Pids of a run's worker processes (not multiprocessing's resource tracker)."""
+    """Pids of a run's worker processes (not multiprocessing's resource tracker, nor the run's plotter)."""
     try:
         children = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [c.pid for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+    return [c.pid for c in children if not any(helper in " ".join(c.cmdline()) for helper in HELPERS)]
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import ROOT, kill_tree, run_script, start_script, tensorboard_tags
+from conftest import HELPERS, ROOT, kill_tree, run_script, start_script, tensorboard_tags
 
 from common.checkpoint import load_checkpoint
 
@@ -32,7 +32,7 @@ def worker_pids(pid: int) -> list[int]:
         children = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [c.pid for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+    return [c.pid for c in children if not any(helper in " ".join(c.cmdline()) for helper in HELPERS)]
 
 
 def wait_for_metrics(run_dir: Path, rows: int, proc, timeout: float = 60) -> None:
