@@ -34,6 +34,7 @@ class Script:
     tiny: list[str]  # small, fast settings with 2 worker processes and no TensorBoard
     endless: list[str]  # budget flags of a run that goes on until it is stopped
     short: list[str]  # budget flags of a run that ends by itself within a few seconds of training
+    quick: list[str]  # budget flags of a fresh run that ends by itself within about a second of training
     diverge: list[str]  # flags that make the loss NaN soon after the first checkpoint
     untrainable_env: str  # an env id whose spaces this mode cannot train
     checkpoints: str = "checkpoints/*.pt"  # glob of the checkpoints a run writes
@@ -51,6 +52,7 @@ SCRIPTS = [
            # A resumed run is past any small step budget, and a step budget runs out in well under a second
            # of training: a short run is a short time.
            endless=["--total-timesteps", str(10**9)], short=["--duration", "0.002", "--total-timesteps", "none"],
+           quick=["--total-timesteps", "2048"],
            diverge=["--learning-rate", "1e30", "--no-anneal-lr", "--max-grad-norm", "1e30",
                     "--checkpoint-interval-s", "0.01"],
            untrainable_env="Blackjack-v1"),
@@ -60,6 +62,7 @@ SCRIPTS = [
                  "--duration", "none", "--metrics-interval-s", "0.01"],
            endless=["--total-timesteps", str(10**9), "--total-episodes", "none"],
            short=["--duration", "0.002", "--total-episodes", "none"],  # a resumed run is past any small step budget
+           quick=["--total-timesteps", "2000", "--total-episodes", "none"],
            diverge=["--learning-rate", "1e30", "--checkpoint-interval-s", "0.01"],
            untrainable_env="Pendulum-v1"),
     Script("parallel_train_dqn.py",
@@ -68,6 +71,7 @@ SCRIPTS = [
                  "--eval-interval", "0"],
            endless=["--total-timesteps", str(10**9), "--total-episodes", "none"],
            short=["--total-timesteps", "6000", "--total-episodes", "none"],
+           quick=["--total-timesteps", "2000", "--total-episodes", "none"],
            diverge=["--learning-rate", "1e30", "--checkpoint-interval-s", "0.01"],
            untrainable_env="Pendulum-v1"),
     Script("train_ppo_multiprocess.py",
@@ -76,6 +80,7 @@ SCRIPTS = [
            # Workers train independently, so a resumed worker is past any small step budget: a short
            # run is a short time.
            endless=["--max-steps-per-worker", str(10**9)], short=["--duration", "0.002"],
+           quick=["--max-steps-per-worker", "1024"],
            diverge=["--learning-rate", "1e30", "--no-anneal-lr", "--max-grad-norm", "1e30",
                     "--checkpoint-every", "256"],
            untrainable_env="Blackjack-v1", checkpoints="checkpoints/worker_*.pt",  # population.pt holds no weights
@@ -311,7 +316,7 @@ def test_main_process_killed_workers_exit_and_the_next_run_reclaims_memory(tmp_p
         assert wait_until(lambda: not alive(workers), 10), "workers outlived their parent by more than 10 s"
     finally:
         kill_tree(proc)
-    result = run_script(script.file, *script.tiny, "--output-dir", tmp_path / "next", *script.short, timeout=120)
+    result = run_script(script.file, *script.tiny, "--output-dir", tmp_path / "next", *script.quick, timeout=120)
     assert result.returncode == 0, result.stderr
     assert segments_of(proc.pid) == []
 
