@@ -52,6 +52,13 @@ def _floats(rows: list[dict], key: str) -> list[float]:
     return out
 
 
+def _save(plt, fig, path: str | Path, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- the plots
 
 def training_curve(rows: list[dict], path: str | Path, title: str, smoothed_key: str = "return_mean100") -> None:
@@ -69,10 +76,7 @@ def training_curve(rows: list[dict], path: str | Path, title: str, smoothed_key:
         ax.set_ylabel("return")
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def ultra_results(rows: list[dict], path: str | Path, title: str) -> None:
@@ -106,10 +110,7 @@ def ultra_results(rows: list[dict], path: str | Path, title: str) -> None:
     for ax in axes.flat:
         ax.set_xlabel("wall time (s)")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def population(rows: list[dict], path: str | Path, title: str) -> None:
@@ -126,10 +127,7 @@ def population(rows: list[dict], path: str | Path, title: str) -> None:
     ax.grid(alpha=0.3)
     if 0 < len(workers) <= 16:
         ax.legend(fontsize=7, ncol=2)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 PLOTS = {"training_curve": training_curve, "ultra_results": ultra_results, "population": population}
