@@ -294,8 +294,8 @@ def store_episodes(buffer: ReplayBuffer, episodes: list[dict], symmetries: tuple
                                 n_step) for r in records]
     batch = {key: None if rows[0][key] is None else np.concatenate([row[key] for row in rows]) for key in rows[0]}
     buffer.add_batch(**batch)
+    masks = batch["next_masks"]
     for symmetry in symmetries:
-        masks = batch["next_masks"]
         buffer.add_batch(**{**batch, "obs": symmetry.observations(batch["obs"]), "actions": symmetry.actions(
             batch["actions"]), "next_obs": symmetry.observations(batch["next_obs"]),
             "next_masks": None if masks is None else symmetry.masks(masks)})
