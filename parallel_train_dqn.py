@@ -73,6 +73,7 @@ class Config(RunConfig):
     target_return: str | None = "auto"  # stop once the mean of the last 100 returns reaches this; auto = the env's own
     target_win_rate: list[float] | None = None  # two-player: stop once eval win rates vs random, heuristic reach these
     learning_rate: float = 5e-4  # Adam step size
+    anneal_lr: bool = False  # decay the learning rate linearly to 0 over the budget (duration, steps or episodes)
     gamma: float = 0.99  # discount factor
     batch_size: int = 256  # transitions per gradient update
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)
@@ -407,6 +408,8 @@ class DQNTrainer:
         self.update_credit += cfg.replay_ratio * new_steps
         count = int(self.update_credit)
         self.update_credit -= count
+        if cfg.anneal_lr:
+            self.learner.anneal(cfg.learning_rate, self.run.budget_used())
         stats = []
         for _ in range(count):
             if self.run.graceful.requested:  # a signal stops after the update in flight, not after all owed
@@ -446,8 +449,9 @@ class DQNTrainer:
 
     def record(self, stats: dict, learned: list[dict], seconds: float) -> None:
         counters = self.run.counters
-        row = {"epsilon": self.epsilon(), "loss": _mean([s["loss"] for s in learned]),
-               "q_mean": _mean([s["q_mean"] for s in learned]), "learner_updates": counters["updates"],
+        row = {"epsilon": self.epsilon(), "learning_rate": self.learner.learning_rate,
+               "loss": _mean([s["loss"] for s in learned]), "q_mean": _mean([s["q_mean"] for s in learned]),
+               "learner_updates": counters["updates"],
                "updates_per_s": len(learned) / stats["learn_seconds"] if learned else math.nan,
                "episodes_per_s": stats["episodes"] / max(seconds, 1e-9), "model_version": self.manager.model_version,
                "staleness": stats["staleness"], "buffer_size": len(self.buffer), "train_win_rate": stats["win_rate"],
@@ -771,9 +775,9 @@ EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent i
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_env,
             distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
-            metrics_columns=["epsilon", "loss", "q_mean", "learner_updates", "updates_per_s", "episodes_per_s",
-                             "model_version", "staleness", "buffer_size", "train_win_rate", "iteration",
-                             "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])
+            metrics_columns=["epsilon", "learning_rate", "loss", "q_mean", "learner_updates", "updates_per_s",
+                             "episodes_per_s", "model_version", "staleness", "buffer_size", "train_win_rate",
+                             "iteration", "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])
 
 
 def train(config: Config | None = None, **fields) -> dict:

@@ -78,6 +78,7 @@ class Config(RunConfig):
     async_training: bool = True  # learn while actors collect; false alternates collect and learn phases
     sync_steps: int = 16  # sync mode: vector steps each actor takes per collect phase
     learning_rate: float = 2.5e-4  # Adam step size
+    anneal_lr: bool = False  # decay the learning rate linearly to 0 over the budget (duration, steps or episodes)
     gamma: float = 0.99  # discount factor
     batch_size: int = 256  # transitions per micro-batch
     grad_accum_steps: int = 1  # micro-batches per gradient update (effective batch = batch_size * this)
@@ -540,10 +541,10 @@ class UltraTrainer:
 
     def learn_once(self) -> None:
         cfg, counters = self.cfg, self.run.counters
-        progress = max(counters["episodes"] / cfg.total_episodes if cfg.total_episodes else 0.0,
-                       counters["global_step"] / cfg.total_timesteps if cfg.total_timesteps else 0.0,
-                       self.run.wall_time / (cfg.duration * 3600) if cfg.duration else 0.0)
-        stats = self.learner.update(self.replay, cfg.batch_size, cfg.per_beta + (1 - cfg.per_beta) * min(1.0, progress))
+        progress = self.run.budget_used()
+        if cfg.anneal_lr:
+            self.learner.anneal(cfg.learning_rate, progress)
+        stats = self.learner.update(self.replay, cfg.batch_size, cfg.per_beta + (1 - cfg.per_beta) * progress)
         if not math.isfinite(stats["loss"]):
             raise TrainingDiverged(f"loss became {stats['loss']} at update {self.learner.updates + 1}")
         counters["updates"] = self.learner.updates
@@ -652,7 +653,8 @@ class UltraTrainer:
         version = self.params.version(0)
         rank_sps = [(now_steps - then) / seconds for now_steps, then in zip(self.rank_steps(), window["rank_steps"])]
         row = {"coverage": _mean(window["coverage"]), "coverage_mean100": self.coverage_mean100(),
-               "loss": _mean(window["losses"]), "epsilon_max": max(epsilons), "epsilon_min": min(epsilons),
+               "loss": _mean(window["losses"]), "learning_rate": self.learner.learning_rate,
+               "epsilon_max": max(epsilons), "epsilon_min": min(epsilons),
                "buffer_size": len(self.replay), "buffer_fill": len(self.replay) / self.replay.layout.slots,
                "learner_updates": self.learner.updates, "updates_per_s": window["updates"] / seconds,
                "samples_per_s": window["updates"] * cfg.batch_size * cfg.grad_accum_steps / seconds,
@@ -902,9 +904,9 @@ MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__
             actions=("Discrete",), checkpoint_pattern=CHECKPOINT_PATTERN,
             resume_requires=("model", "target", "optimizer"),
             env_kwargs=lambda cfg: cfg.grid_kwargs(), check=check_memory,
-            metrics_columns=["coverage", "coverage_mean100", "loss", "epsilon_max", "epsilon_min", "buffer_size",
-                             "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s", "episodes_per_s",
-                             "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
+            metrics_columns=["coverage", "coverage_mean100", "loss", "learning_rate", "epsilon_max", "epsilon_min",
+                             "buffer_size", "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s",
+                             "episodes_per_s", "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
             distributed=True, cpu_collectives=True)
 
 

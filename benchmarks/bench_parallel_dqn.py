@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def bench_cartpole(opts) -> None:
              f"{opts.workers} rollout worker(s).", "",
              f"- before: {load_before}", f"- after: {machine_line()}",
              f"- command: `python benchmarks/bench_parallel_dqn.py cartpole --seeds {' '.join(map(str, opts.seeds))} "
-             f"--workers {opts.workers}{' --extra ' + repr(opts.extra) if opts.extra else ''}`", "",
+             f"--workers {opts.workers}{' --extra=' + shlex.quote(opts.extra) if opts.extra else ''}`", "",
              "| seed | solved at (s, training time) | process wall (s) | env steps | episodes | gradient updates |",
              "|---|---|---|---|---|---|"]
     for seed, r in rows:
@@ -114,7 +115,8 @@ def bench_connect_four(opts) -> None:
             f"{o} {final.get(f'eval_win_{o}', float('nan')):.0%}" for o in CONNECT_FOUR_OPPONENTS), flush=True)
     seeds = " ".join(str(seed) for seed, _, _ in runs)
     command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds {seeds} "
-               f"--games {trained_games}{' --extra ' + repr(opts.extra) if opts.extra else ''}")
+               f"--games {trained_games}{' --extra=' + shlex.quote(opts.extra) if opts.extra else ''}"
+               f"{' --tag ' + opts.tag if opts.tag else ''}")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
              f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: negamax targets "
              "from both players' moves; self-play against the latest policy, past snapshots drawn by prioritized "
@@ -132,7 +134,7 @@ def bench_connect_four(opts) -> None:
     if opts.search_depth:
         lines += connect_four_lookahead(runs, opts.search_depth, opts.games, opts.random_opening)
     suffix = ("_lookahead" if opts.search_depth else "") + (f"_opening{opts.random_opening}" if opts.random_opening
-                                                            else "")
+                                                            else "") + (f"_{opts.tag}" if opts.tag else "")
     write(f"parallel_dqn_connect_four_{opts.minutes:g}min{suffix}.md", lines)
 
 
@@ -335,13 +337,16 @@ def main() -> None:
     cartpole.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     cartpole.add_argument("--workers", type=int, default=1)
     cartpole.add_argument("--timeout", type=float, default=600)
-    cartpole.add_argument("--extra", default="", help="more flags for the training script, in one string")
+    cartpole.add_argument("--extra", default="",
+                          help="more flags for the training script, in one string: --extra='--anneal-lr --gamma 0.9'")
     c4 = sub.add_parser("connect-four", help="the defaults' win rates against held-out players after a fixed time")
     c4.add_argument("--minutes", type=float, default=15)
     c4.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     c4.add_argument("--games", type=int, default=200, help="evaluation games per opponent (half from each seat)")
     c4.add_argument("--runs", nargs="+", help="report on these run directories of earlier runs instead of training")
-    c4.add_argument("--extra", default="", help="more flags for the training script, in one string")
+    c4.add_argument("--extra", default="",
+                          help="more flags for the training script, in one string: --extra='--anneal-lr --gamma 0.9'")
+    c4.add_argument("--tag", default="", help="appended to the results file's name (a variant beside the defaults)")
     c4.add_argument("--search-depth", type=int, nargs="+", default=[],
                     help="also score the final checkpoints through a lookahead of these depths over the Q-network "
                          "(python -m common.evaluate --search-depth; 0 = greedy), in ..._lookahead.md")

@@ -137,7 +137,20 @@ class DQNLearner:
                       cfg.target_update_interval, cfg.tau, getattr(cfg, "grad_accum_steps", 1), cfg.mixed_precision)
         if run.resumed is not None:
             learner.load_state_dict(run.resumed, run.counters["updates"])
+            learner.set_learning_rate(cfg.learning_rate)  # the config's rate, not the one the checkpoint ended on
         return learner
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, rate: float) -> None:
+        self.optimizer.param_groups[0]["lr"] = rate
+
+    def anneal(self, base_rate: float, budget_used: float) -> None:
+        """``anneal_lr``: the rate falls linearly from ``base_rate`` to 0 over the run's budget
+        (``Run.budget_used``), so the last updates only fine-tune the weights the run ends with."""
+        self.set_learning_rate(base_rate * (1.0 - budget_used))
 
     def _batch(self, sample) -> dict[str, torch.Tensor | None]:
         def tensor(array):

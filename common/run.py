@@ -511,6 +511,22 @@ class Run:
             return f"target return {self.target_return:g} reached (mean of the last {RECENT} episodes)"
         return None
 
+    def budget_used(self) -> float:
+        """How far the run is through its budget, 0 to 1: the largest of the fractions of
+        ``total_timesteps`` and ``total_episodes`` done (counted over resumes) and of this invocation's
+        ``--duration`` gone; 0 when there is no budget. Schedules over "the run" (a learning rate
+        annealed to 0, prioritized replay's beta) read it, so they end when the run does."""
+        cfg, c = self.cfg, self.counters
+        fractions = [0.0]
+        for total, done in ((getattr(cfg, "total_timesteps", None), c["global_step"]),
+                            (getattr(cfg, "total_episodes", None), c["episodes"])):
+            if total:
+                fractions.append(done / total)
+        duration = getattr(cfg, "duration", None)
+        if duration and math.isfinite(self._deadline):
+            fractions.append(1.0 - (self._deadline - time.monotonic()) / (duration * 3600))
+        return min(1.0, max(fractions))
+
     # -- checkpoints
     def checkpoint_due(self) -> bool:
         return time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_interval_s
