@@ -430,3 +430,26 @@ def test_workers_run_numpy_blas_on_one_thread_unless_the_user_sets_it(tmp_path):
     if seen[None] == "None":
         pytest.skip("numpy does not use OpenBLAS here")
     assert seen == {None: "1", "2": "2"}
+
+
+def test_budget_used_is_the_largest_fraction_of_steps_episodes_and_this_invocations_duration():
+    """Schedules over the run (anneal_lr, prioritized replay's beta) read Run.budget_used: steps and episodes
+    count over resumes, --duration only this invocation's wall time (a resumed run has a fresh deadline)."""
+    import time
+    from types import SimpleNamespace
+
+    from common.run import Run
+
+    def used(deadline_in_s=None, steps=0, episodes=0, **cfg):
+        deadline = time.monotonic() + deadline_in_s if deadline_in_s is not None else float("inf")
+        run = SimpleNamespace(cfg=SimpleNamespace(**cfg), counters={"global_step": steps, "episodes": episodes},
+                              _deadline=deadline)
+        return Run.budget_used(run)
+
+    assert used() == 0.0 and used(steps=500, total_timesteps=None) == 0.0
+    assert used(steps=250, total_timesteps=1000) == pytest.approx(0.25)
+    assert used(steps=250, episodes=30, total_timesteps=1000, total_episodes=40) == pytest.approx(0.75)
+    assert used(steps=5000, total_timesteps=1000) == 1.0
+    assert used(deadline_in_s=2700, duration=1.0) == pytest.approx(0.25, abs=1e-3)  # 15 of 60 min gone
+    assert used(deadline_in_s=2700, steps=600, duration=1.0, total_timesteps=1000) == pytest.approx(0.6)
+    assert used(deadline_in_s=-5, duration=1.0) == 1.0

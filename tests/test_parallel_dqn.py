@@ -405,18 +405,20 @@ def test_win_rates_reached_needs_both_rates():
 
 @pytest.mark.timeout(90)
 def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
-    """A reachable --target-win-rate ends the run at the first evaluation, long before its episode budget;
-    the default on ConnectFour-v0 stores every move twice (as played and mirrored), the opponent's too."""
+    """A reachable --target-win-rate ends the run at the first evaluation, before its episode budget;
+    the default on ConnectFour-v0 stores every move twice (as played and mirrored), the opponent's too.
+    --anneal-lr: the first updates already learn at the rate left after 4 of the 10 budgeted episodes."""
     summary = parallel_train_dqn.train(
-        num_workers=1, episodes_per_batch=4, total_episodes=10_000, duration=None, eval_interval=1, eval_episodes=2,
+        num_workers=1, episodes_per_batch=4, total_episodes=10, duration=None, eval_interval=1, eval_episodes=2,
         target_win_rate=[0.0, 0.0], hidden_sizes=[16], learning_starts=0, batch_size=16, tensorboard=False,
-        output_dir=str(tmp_path / "run"))
+        anneal_lr=True, learning_rate=1e-3, output_dir=str(tmp_path / "run"))
     assert summary["exit_code"] == 0 and summary["stop_reason"] == "target win rates [0.0, 0.0] reached", summary
     assert summary["iterations"] == 1 and summary["episodes"] == 4
     (row,) = read_metrics(tmp_path / "run" / "metrics.csv")
     # the learner's moves (global_step) and the opponent's (as many or one fewer in each of the 4 games), each twice
     steps, stored = float(row["global_step"]), float(row["buffer_size"])
     assert 2 * (2 * steps - 4) <= stored <= 4 * steps and float(row["eval_win_random"]) >= 0, row
+    assert float(row["learner_updates"]) >= 1 and float(row["learning_rate"]) == pytest.approx(1e-3 * (1 - 4 / 10))
 
 
 # ------------------------------------------------------------------------ self-play that generalizes

@@ -240,10 +240,12 @@ def test_the_rate_limiter_holds_the_replay_ratio(tmp_path):
 @pytest.mark.timeout(120)
 def test_save_replay_then_resume_brings_the_replay_back(tmp_path):
     """--save-replay writes checkpoints/replay.npz with each checkpoint; --resume with --save-replay loads it,
-    so the resumed learner samples the transitions of the first invocation and its actors write after them."""
+    so the resumed learner samples the transitions of the first invocation and its actors write after them.
+    The first invocation anneals its learning rate to 0 (--anneal-lr); the resumed one, without, learns at
+    the configured rate, not at the rate its checkpoint ended on."""
     out = tmp_path / "run"
     settings = dict(TINY, save_replay=True, buffer_size=8_000, learning_starts=300, output_dir=str(out))
-    first = ultra().train(**settings, total_timesteps=1500)
+    first = ultra().train(**settings, total_timesteps=1500, anneal_lr=True, metrics_interval_s=0.1)
     assert first["exit_code"] == 0, first
     with np.load(out / "checkpoints" / "replay.npz") as saved:
         before = dict(saved)
@@ -259,6 +261,11 @@ def test_save_replay_then_resume_brings_the_replay_back(tmp_path):
         first_slots = slice(writer * 4000, writer * 4000 + int(cursor))
         for name in ("obs", "next_obs", "actions", "rewards", "dones"):
             assert np.array_equal(after[name][first_slots], before[name][first_slots]), name
+    rates = [(int(row["global_step"]), float(row["learning_rate"])) for row in read_metrics(out / "metrics.csv")]
+    annealed = [rate for step, rate in rates if step <= first["global_step"]]
+    assert annealed == sorted(annealed, reverse=True) and annealed[-1] < 0.5 * annealed[0], annealed
+    resumed = [rate for step, rate in rates if step > first["global_step"]]
+    assert resumed and resumed == pytest.approx([2.5e-4] * len(resumed)), resumed
 
 
 def test_a_saved_replay_of_another_layout_is_not_loaded_at_all():
