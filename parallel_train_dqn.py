@@ -73,7 +73,7 @@ class Config(RunConfig):
     target_return: str | None = "auto"  # stop once the mean of the last 100 returns reaches this; auto = the env's own
     target_win_rate: list[float] | None = None  # two-player: stop once eval win rates vs random, heuristic reach these
     learning_rate: float = 5e-4  # Adam step size
-    anneal_lr: bool = False  # decay the learning rate linearly to 0 over the budget (duration, steps or episodes)
+    anneal_lr: bool = True  # decay the learning rate linearly to 0 over the budget (duration, steps or episodes)
     gamma: float = 0.99  # discount factor
     batch_size: int = 256  # transitions per gradient update
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)

@@ -116,6 +116,8 @@ def bench_connect_four(opts) -> None:
     seeds = " ".join(str(seed) for seed, _, _ in runs)
     command = (f"python benchmarks/bench_parallel_dqn.py connect-four --minutes {opts.minutes:g} --seeds {seeds} "
                f"--games {trained_games}{' --extra=' + shlex.quote(opts.extra) if opts.extra else ''}"
+               f"{' --search-depth ' + ' '.join(map(str, opts.search_depth)) if opts.search_depth else ''}"
+               f"{' --random-opening ' + str(opts.random_opening) if opts.random_opening else ''}"
                f"{' --tag ' + opts.tag if opts.tag else ''}")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
              f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: negamax targets "
@@ -132,13 +134,13 @@ def bench_connect_four(opts) -> None:
                      f"{r.get('global_step')} | {r.get('updates')} | `{out.name}` |")
     lines += connect_four_table(runs) + connect_four_curve(runs)
     if opts.search_depth:
-        lines += connect_four_lookahead(runs, opts.search_depth, opts.games, opts.random_opening)
+        lines += connect_four_lookahead(runs, opts.search_depth, opts.games, opts.random_opening, opts.tag)
     suffix = ("_lookahead" if opts.search_depth else "") + (f"_opening{opts.random_opening}" if opts.random_opening
                                                             else "") + (f"_{opts.tag}" if opts.tag else "")
     write(f"parallel_dqn_connect_four_{opts.minutes:g}min{suffix}.md", lines)
 
 
-def connect_four_lookahead(runs: list, depths: list[int], games: int, opening: int = 0) -> list[str]:
+def connect_four_lookahead(runs: list, depths: list[int], games: int, opening: int = 0, tag: str = "") -> list[str]:
     """Each run's final checkpoint scored by ``python -m common.evaluate --search-depth D`` for every
     depth, on the same evaluation seeds: the greedy policy (depth 0) and the lookahead over its
     Q-network side by side; every game opened by ``opening`` random plies (``--random-opening``)."""
@@ -160,7 +162,7 @@ def connect_four_lookahead(runs: list, depths: list[int], games: int, opening: i
     run_dirs = " ".join(str(out) for _, out, _ in runs)
     command = (f"python benchmarks/bench_parallel_dqn.py connect-four --runs {run_dirs} "
                f"--games {games} --search-depth {' '.join(map(str, depths))}"
-               + (f" --random-opening {opening}" if opening else ""))
+               + (f" --random-opening {opening}" if opening else "") + (f" --tag {tag}" if tag else ""))
     lines = ["", "Decision-time lookahead over the learned Q-network (common/envs/connect_four.py "
              "`LookaheadPlayer`: negamax with the rules' wins and draws, the network's best value for the side to "
              "move at the leaves; depth 0 = the greedy policy): each final checkpoint scored by "

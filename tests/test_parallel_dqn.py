@@ -25,9 +25,9 @@ from common.runlog import read_metrics
 
 SCRIPT = "parallel_train_dqn.py"
 CARTPOLE = ["--env-id", "CartPole-v1", "--hidden-sizes", "64", "64", "--episodes-per-batch", "8",
-            "--replay-ratio", "0.25", "--batch-size", "64", "--learning-rate", "1e-3", "--target-update-interval",
-            "100", "--epsilon-decay-steps", "4000", "--epsilon-end", "0.04", "--eval-interval", "0",
-            "--eval-episodes", "20", "--num-workers", "1", "--no-tensorboard"]
+            "--replay-ratio", "0.25", "--batch-size", "64", "--learning-rate", "1e-3", "--no-anneal-lr",
+            "--target-update-interval", "100", "--epsilon-decay-steps", "4000", "--epsilon-end", "0.04",
+            "--eval-interval", "0", "--eval-episodes", "20", "--num-workers", "1", "--no-tensorboard"]
 
 
 class TableQ(nn.Module):
