@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,16 +76,52 @@ def _creator(segment: str) -> int:
         return -1
 
 
+class ProcessTreeWatch:
+    """Every pid this test process's tree held while the test ran, sampled every 0.25 s.
+
+    With ``pytest -n`` another worker's test runs beside this one: a segment whose creator has died
+    is then this test's leftover only if the creator was one of this test's processes."""
+
+    def __init__(self):
+        self.seen = {os.getpid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.seen.update(c.pid for c in psutil.Process().children(recursive=True))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> set[int]:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
+def _ours(name: str, mine: set[int], seen: set[int] | None) -> bool:
+    creator = _creator(name)
+    if creator in mine:
+        return True
+    if psutil.pid_exists(creator):
+        return False  # another live program's (another test worker's, under pytest -n)
+    return seen is None or creator in seen  # a dead creator: ours when alone, or when it was in our tree
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test must leave no new /dev/shm/prl_* segment and no child process behind."""
     before = {p.name for p in SHM.glob("prl_*")} if SHM.is_dir() else set()
+    watch = ProcessTreeWatch() if os.environ.get("PYTEST_XDIST_WORKER") else None
     yield
+    seen = watch.stop() if watch is not None else None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         mine = {os.getpid()} | {c.pid for c in psutil.Process().children(recursive=True)}
         left = {name for name in (({p.name for p in SHM.glob("prl_*")} if SHM.is_dir() else set()) - before)
-                if _creator(name) in mine or not psutil.pid_exists(_creator(name))}
+                if _ours(name, mine, seen)}
         children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
                     and "resource_tracker" not in " ".join(c.cmdline())]
         if not left and not children:

@@ -31,8 +31,8 @@ def test_every_pin_lies_inside_its_range_and_every_range_is_pinned():
 
 def test_test_only_packages_are_not_runtime_requirements():
     runtime = entries("requirements.txt")
-    assert not {"pytest", "pytest-timeout"} & set(runtime)
-    assert {"pytest", "pytest-timeout"} <= set(entries("requirements-test.txt"))
+    assert not {"pytest", "pytest-timeout", "pytest-xdist"} & set(runtime)
+    assert {"pytest", "pytest-timeout", "pytest-xdist"} <= set(entries("requirements-test.txt"))
 
 
 @pytest.mark.parametrize("version, ok", [("2.13.0", True), ("2.12.0+cu126", True), ("2.8.0a0+5228986c39.nv25.05", True),
