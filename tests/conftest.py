@@ -91,8 +91,8 @@ class ProcessTreeWatch:
     def _sample(self) -> None:
         while not self._stop.wait(0.25):
             try:
-                self.seen.update(c.pid for c in psutil.Process().children(recursive=True))
-            except psutil.Error:
+                self.seen.update(c.pid for c in descendants(os.getpid()))
+            except psutil.Error:  # a child that vanished while it was read: the next sample sees the rest
                 pass
 
     def stop(self) -> set[int]:
