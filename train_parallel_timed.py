@@ -20,8 +20,9 @@ gradients are averaged across ranks before every optimizer step (DD-PPO).
     python train_parallel_timed.py --async-training      # collect while learning
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (common first: its numpy settings must precede numpy's import)
 
+import common  # noqa: F401 (one BLAS thread per process, which numpy reads once as it loads: common/__init__.py)
 import math
 import sys
 import time
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import require, to_dict
+from common.config import ConfigError, require, to_dict
 from common.lazy import lazy_import
 from common.normalize import NormalizationSettings
 from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
@@ -38,8 +39,9 @@ from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch, distributed, envs_lib, networks, optim, ppo, rollout = map(lazy_import, (
-    "torch", "common.distributed", "common.envs", "common.networks", "common.optim", "common.ppo", "common.rollout"))
+torch, distributed, envs_lib, networks, numpy_ppo, optim, ppo, rollout = map(lazy_import, (
+    "torch", "common.distributed", "common.envs", "common.networks", "common.numpy_ppo", "common.optim", "common.ppo",
+    "common.rollout"))
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Config(RunConfig, NormalizationSettings):
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
+    # numpy learns an MLP policy on the CPU 2-5x faster than torch and without importing it (docs/performance.md)
+    learner: str = "auto"  # auto (numpy for an MLP policy on the CPU outside torchrun, else torch), numpy or torch
     # Workers collect the next rollout (acting one update behind) while the learner updates; needs workers. Off by
     # default: 21 % less time per step, 22 % more steps to LunarLander's target (benchmarks/results/overlap.md).
     async_training: bool = False  # collect while learning, one update behind
@@ -87,6 +91,7 @@ class Config(RunConfig, NormalizationSettings):
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.torch_threads >= 0, "torch_threads", self.torch_threads, "must be >= 0 (0 = all cores)")
         require(self.activation in ("tanh", "relu"), "activation", self.activation, "must be tanh or relu")
+        require(self.learner in ("auto", "numpy", "torch"), "learner", self.learner, "must be auto, numpy or torch")
         require(not (self.async_training and self.num_workers == 0), "async_training", self.async_training,
                 "needs num_workers >= 1 (with 0 workers the rollout runs in the learner's own process)")
 
@@ -220,14 +225,13 @@ class InProcessCollector:
     workers).
     """
 
-    def __init__(self, run, agent, shared: dict[str, np.ndarray], seed: int):
+    def __init__(self, run, shared: dict[str, np.ndarray], seed: int, cpu_agent=None):
+        """``cpu_agent``: the learner's torch network when it is on the CPU (an image policy acts with it)."""
         self.cfg, self.shared, self.run = run.cfg, shared, run
         self.rollout = split_rollouts(shared)[0]
-        self.learner_on_cpu = next(agent.parameters()).device.type == "cpu"
         envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(envs.close)
-        self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, shared,
-                                        agent if self.learner_on_cpu else None)
+        self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, shared, cpu_agent)
 
     def start(self, slot: int, snapshot: Snapshot) -> None:
         pass  # the rollout runs in wait(), in the one slot there is
@@ -298,6 +302,92 @@ class WorkerCollector:
 
 
 # --------------------------------------------------------------------------- learner
+# Two learners with one interface: publish the parameters, update on a flat numpy batch, a learning rate,
+# a checkpoint's state. An MLP policy on the CPU in one process learns in numpy (common/numpy_ppo.py):
+# without torch's per-operation overhead, and without importing torch before the first update. Images,
+# GPUs and DD-PPO (whose gradients torch.distributed averages) learn with torch. Both save the same
+# checkpoint, so a run can resume with either.
+
+def ppo_settings(cfg: Config):
+    return rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
+                               cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
+
+
+def numpy_learner_fits(cfg: Config, observation_space, world_size: int) -> bool:
+    return rollout.acts_in_numpy(observation_space) and resolve_device(cfg.device) == "cpu" and world_size == 1
+
+
+class NumpyLearner:
+    """``common.numpy_ppo``'s actor-critic and Adam."""
+
+    def __init__(self, run, spaces, settings):
+        cfg = run.cfg
+        spec = rollout.actor_critic_spec(*spaces, cfg.hidden_sizes, cfg.activation, cfg.log_std_init)
+        self.model = numpy_ppo.MLPActorCritic(spec, *spaces, seed=cfg.seed)
+        self.optimizer = numpy_ppo.Adam(self.model.params, self.model.grads, self.model.shapes, cfg.learning_rate,
+                                        eps=1e-5)
+        if run.resumed is not None:
+            self.model.load_state_dict(run.resumed["model"])
+            self.optimizer.load_state_dict(run.resumed["optimizer"])
+        self.settings = settings
+        self.rng = np.random.default_rng(cfg.seed + run.counters["updates"])
+
+    def publish(self, out: np.ndarray) -> None:
+        out[:] = self.model.params
+
+    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        return numpy_ppo.ppo_update(self.model, self.optimizer, batch, self.settings, self.rng)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.model.spec}
+
+    def params_digest(self) -> str:
+        return ""  # one process: nothing to compare
+
+
+class TorchLearner:
+    """``common.networks.ActorCritic`` and FusedAdam, on ``--device``; under torchrun the gradients are
+    averaged across ranks before every step."""
+
+    def __init__(self, run, spaces, settings):
+        cfg, dist = run.cfg, run.dist
+        torch.manual_seed(cfg.seed)
+        # Synchronous workers sit idle while the learner updates: --torch-threads 0 gives the update every
+        # core (every core the workers leave free when they collect meanwhile).
+        busy = 1 + cfg.num_workers if cfg.async_training else 1
+        torch.set_num_threads(cfg.torch_threads or threads_per_process(busy))
+        # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
+        # with NCCL), whatever GPU --device names.
+        self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
+        self.agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
+        self.agent.to(self.device)
+        # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
+        self.optimizer = optim.FusedAdam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
+        if run.resumed is not None:
+            self.agent.load_state_dict(run.resumed["model"])
+            self.optimizer.load_state_dict(run.resumed["optimizer"])
+        dist.broadcast_model(self.agent)
+        self.settings, self.dist = settings, dist
+        self.generator = torch.Generator().manual_seed(cfg.seed + run.counters["updates"])
+        self.grad_hook = dist.gradient_hook(self.agent)
+
+    @property
+    def cpu_agent(self):
+        return self.agent if self.device.type == "cpu" else None
+
+    def publish(self, out: np.ndarray) -> None:
+        networks.write_flat_params(self.agent, out)
+
+    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        tensors = {key: torch.as_tensor(array).to(self.device) for key, array in batch.items()}
+        return ppo.ppo_update(self.agent, self.optimizer, tensors, self.settings, self.generator, self.grad_hook)
+
+    def state_dict(self) -> dict:
+        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
+
+    def params_digest(self) -> str:
+        return distributed.params_digest(self.agent) if self.dist.world_size > 1 else ""
+
 
 class PPOTrainer:
     """The learner: publish a snapshot, collect a rollout, GAE, PPO update; repeat. With
@@ -319,36 +409,26 @@ class PPOTrainer:
                      " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
         seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
         # Workers start first: they build their envs (and, acting in numpy, never import torch) while this
-        # process imports torch and builds the learner.
+        # process builds the learner.
         self.collector = WorkerCollector(run, arrays, seed) if cfg.num_workers else None
-        torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
-        # Synchronous workers sit idle while the learner updates: --torch-threads 0 gives the update every
-        # core (every core the workers leave free when they collect meanwhile).
-        busy = 1 + cfg.num_workers if cfg.async_training else 1
-        torch.set_num_threads(cfg.torch_threads or threads_per_process(busy))
-        # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
-        # with NCCL), whatever GPU --device names.
-        self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
-        self.agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
-        self.agent.to(self.device)
-        if self.collector is None:
-            self.collector = InProcessCollector(run, self.agent, self.shared, seed)
-        # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
-        self.optimizer = optim.FusedAdam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
+        settings = ppo_settings(cfg)
+        fits = numpy_learner_fits(cfg, spaces[0], dist.world_size)
+        if cfg.learner == "numpy" and not fits:
+            raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU "
+                              "in one process; use torch or auto for images, a GPU or torchrun")
+        use_numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and fits)
+        self.learner = NumpyLearner(run, spaces, settings) if use_numpy else TorchLearner(run, spaces, settings)
+        # A resumed run learns at the configured rate (annealed from it), not at the one its checkpoint ended with.
+        self.learner.optimizer.param_groups[0]["lr"] = cfg.learning_rate
         if run.resumed is not None:
-            self.agent.load_state_dict(run.resumed["model"])
-            self.optimizer.load_state_dict(run.resumed["optimizer"])
             self.normalizer.load_state_dict(run.resumed)
-        dist.broadcast_model(self.agent)
-        self.settings = ppo.PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef,
-                                        cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
-        self.generator = torch.Generator().manual_seed(cfg.seed + run.counters["updates"])
-        self.grad_hook = dist.gradient_hook(self.agent)
-        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, world size %d, "
-                     "run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker, cfg.n_steps * cfg.total_envs,
-                     "collecting while learning" if cfg.async_training else "synchronous", dist.world_size,
-                     run.run_dir)
+        if self.collector is None:
+            self.collector = InProcessCollector(run, self.shared, seed, getattr(self.learner, "cpu_agent", None))
+        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, %s learner, "
+                     "world size %d, run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker,
+                     cfg.n_steps * cfg.total_envs, "collecting while learning" if cfg.async_training else "synchronous",
+                     "numpy" if use_numpy else "torch", dist.world_size, run.run_dir)
 
     def stop_reason(self) -> str | None:
         """Every rank stops after the same update: a signal anywhere, or rank 0's decision."""
@@ -387,7 +467,7 @@ class PPOTrainer:
     def request_rollout(self, slot: int) -> Snapshot:
         """Publish the parameters and statistics as they are now, and have the rollout in ``slot`` collected
         with them (workers are between rollouts whenever this runs)."""
-        networks.write_flat_params(self.agent, self.shared["params"])
+        self.learner.publish(self.shared["params"])
         self.normalizer.publish(self.shared["norm"])
         self.version += 1
         self.shared["snapshot_version"][0] = self.version
@@ -395,8 +475,8 @@ class PPOTrainer:
         self.collector.start(slot, snapshot)
         return snapshot
 
-    def update(self, rollout: dict[str, np.ndarray], behaviour: Snapshot) -> tuple[dict[str, float], float]:
-        """GAE and the PPO update on ``rollout``, collected with the snapshot ``behaviour``.
+    def update(self, filled: dict[str, np.ndarray], behaviour: Snapshot) -> tuple[dict[str, float], float]:
+        """GAE and the PPO update on the rollout ``filled``, collected with the snapshot ``behaviour``.
 
         The PPO ratio is taken against the log-probabilities the rollout stored, and GAE uses
         the values it stored: both are the behaviour policy's, one update behind the learner in an
@@ -407,13 +487,13 @@ class PPOTrainer:
         cfg, started = self.cfg, time.perf_counter()
         if cfg.anneal_lr and cfg.total_timesteps:
             frac = max(0.0, 1.0 - self.run.counters["global_step"] / cfg.total_timesteps)
-            self.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
+            self.learner.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
         # The batch is normalized with the statistics the rollout was collected with (overlapped, the
         # learner's own have taken in one more rollout since); only then does this rollout enter them.
         self.behaviour.read(behaviour.norm)
-        batch = ppo.rollout_batch(rollout, cfg.gamma, cfg.gae_lambda, self.device, self.behaviour)
-        self.normalizer.update(rollout["obs"], rollout["disc_returns"], self.dist.total)
-        stats = ppo.ppo_update(self.agent, self.optimizer, batch, self.settings, self.generator, self.grad_hook)
+        batch = rollout.flat_batch(filled, cfg.gamma, cfg.gae_lambda, self.behaviour)
+        self.normalizer.update(filled["obs"], filled["disc_returns"], self.dist.total)
+        stats = self.learner.update(batch)
         return stats, time.perf_counter() - started
 
     def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float,
@@ -421,14 +501,14 @@ class PPOTrainer:
         run, dist = self.run, self.dist
         allreduce = (dist.allreduce_seconds, dist.allreduce_bytes)
         dist.allreduce_seconds, dist.allreduce_bytes = 0.0, 0
-        params_hash = distributed.params_digest(self.agent) if dist.world_size > 1 else ""
+        params_hash = self.learner.params_digest()
         steps = self.cfg.n_steps * self.cfg.total_envs
         total_steps, all_episodes, rank_hashes = dist.gather_progress(steps, episodes, params_hash)
         run.counters["global_step"] += total_steps
         run.counters["updates"] += 1
         run.record_episodes(all_episodes)
         run.write_metrics({"collect_sps": total_steps / max(1e-9, collect_seconds),
-                           "learning_rate": self.optimizer.param_groups[0]["lr"], **stats,
+                           "learning_rate": self.learner.optimizer.param_groups[0]["lr"], **stats,
                            "update_ms": 1000 * update_seconds, "wait_ms": 1000 * wait_seconds,
                            "allreduce_ms": 1000 * allreduce[0], "allreduce_kib": allreduce[1] / 1024,
                            "params_hash": ":".join(rank_hashes), "world_size": dist.world_size},
@@ -439,8 +519,7 @@ class PPOTrainer:
             raise TrainingDiverged(f"loss became {stats['policy_loss']} at update {run.counters['updates']}")
 
     def state_dict(self) -> dict:
-        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec,
-                **self.normalizer.state_dict()}
+        return {**self.learner.state_dict(), **self.normalizer.state_dict()}
 
     def summary(self) -> dict:
         return {"async_training": self.cfg.async_training}

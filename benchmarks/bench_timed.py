@@ -3,6 +3,7 @@
     python benchmarks/bench_timed.py cartpole   # time to solve CartPole-v1 (475), 5 seeds
     python benchmarks/bench_timed.py lunar      # LunarLander-v3 to 200 on the default settings
     python benchmarks/bench_timed.py scaling    # steps/s with 0, 1, 2 workers on CartPole and LunarLander
+    python benchmarks/bench_timed.py learners   # the numpy and the torch learner, update time and whole process
     python benchmarks/bench_timed.py all
 
 Every run is a real run of the script in a fresh process; the numbers come from its
@@ -99,9 +100,31 @@ def bench_scaling(tmp: Path, seconds: float) -> str:
             + f"\n\nLunarLander-v3 collection, 2 workers / 1 worker: **{ratio:.2f}x**")
 
 
+def bench_learners(tmp: Path, seeds: int) -> str:
+    """The numpy and the torch learner on the same runs: a fixed number of updates from the same seeds, so
+    the updates are alike and only the learner's arithmetic differs."""
+    cartpole = ["--config", str(ROOT / "configs" / "cartpole_fast.yaml"), "--total-timesteps", "61440"]
+    runs = {"CartPole-v1, configs/cartpole_fast.yaml, 61,440 steps": cartpole,
+            "LunarLander-v3, the defaults, 262,144 steps": ["--total-timesteps", "262144"]}
+    out = []
+    for name, args in runs.items():
+        for learner in ("torch", "numpy"):
+            update_ms, process, training = [], [], []
+            for seed in range(1, seeds + 1):
+                summary, rows, process_s = run([*args, "--seed", str(seed), "--target-return", "none",
+                                                "--learner", learner], tmp / f"learner_{len(out)}_{learner}_{seed}")
+                update_ms.append(statistics.median(float(r["update_ms"]) for r in rows))
+                process.append(process_s)
+                training.append(summary["wall_time_s"])
+            out.append([name, learner, f"{statistics.median(update_ms):.1f}", f"{statistics.median(training):.2f}",
+                        f"{statistics.median(process):.2f}"])
+    return (f"### The two learners (medians of {seeds} seeds)\n\n"
+            + table(["run", "learner", "update ms (median per run)", "training s", "whole process s"], out))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("which", choices=["cartpole", "lunar", "scaling", "all"])
+    parser.add_argument("which", choices=["cartpole", "lunar", "scaling", "learners", "all"])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--scaling-seconds", type=float, default=40.0)
     args = parser.parse_args()
@@ -117,6 +140,8 @@ def main() -> int:
             sections.append(bench_scaling(tmp, args.scaling_seconds))
         if args.which in ("lunar", "all"):
             sections.append(bench_lunar(tmp))
+        if args.which in ("learners", "all"):
+            sections.append(bench_learners(tmp, min(args.seeds, 3)))
     text = header + "\n\n" + "\n\n".join(sections) + "\n"
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

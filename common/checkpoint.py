@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from common import torch_file
 from common.lazy import lazy_import
 
 # Finding a run's checkpoints needs no torch: a script looks for them before it starts its workers, which
@@ -28,12 +30,19 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` with ``torch.save``; its numpy arrays (a numpy learner's parameters) are stored as
+    tensors, the only arrays a ``weights_only`` load accepts. A process that has not imported torch writes
+    the same file without it (common/torch_file.py), so a run that never needed torch does not import it
+    for its checkpoints."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            if "torch" in sys.modules:
+                torch.save(_tensors(state), f)
+            else:
+                torch_file.write(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -41,6 +50,16 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
+    if isinstance(value, dict):
+        return {key: _tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors(item) for item in value)
+    return value
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
@@ -77,15 +96,14 @@ def latest_checkpoint(directory: str | Path, pattern: str = r".*\.pt") -> Path |
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy-legacy and torch RNG states in a form ``weights_only`` can load."""
+    """Python, numpy-legacy and (once this process has imported torch) torch RNG states, in a form
+    ``weights_only`` can load. A process that never imported torch has not drawn from its generators."""
     np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state = {"python": random.getstate(), "numpy": (np_state[0], np_state[1].astype(np.int64), *np_state[2:])}
+    if "torch" in sys.modules:
+        state["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
@@ -93,8 +111,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     python_state = state["python"]
     random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
     name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((name, np.asarray(keys).astype(np.uint32), *rest))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -131,3 +150,4 @@ def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_
     if hidden_sizes is not None and list(saved_sizes or []) != list(hidden_sizes):
         raise CheckpointError(f"{path}: checkpoint has hidden sizes {saved_sizes}, not {list(hidden_sizes)}")
     return path, state
+

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributions import Categorical, Normal
 
 from common.replay import is_image
+from common.rollout import actor_critic_spec, space_from_spec, space_spec
 
 # Argument validation costs more than the math for the tiny batches of a rollout step.
 torch.distributions.Distribution.set_default_validate_args(False)
@@ -39,26 +40,6 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, out_std: float,
 
 def obs_dim(space: gym.Space) -> int:
     return int(np.prod(space.shape))
-
-
-def space_spec(space: gym.Space) -> dict:
-    """A Discrete or Box space as plain values (what a checkpoint can hold under weights_only)."""
-    if isinstance(space, gym.spaces.Discrete):
-        return {"type": "Discrete", "n": int(space.n)}
-    low, high = np.asarray(space.low), np.asarray(space.high)
-    uniform = low.size and (low == low.flat[0]).all() and (high == high.flat[0]).all()
-    return {"type": "Box", "shape": list(space.shape), "dtype": str(space.dtype),
-            "low": float(low.flat[0]) if uniform else low.tolist(),
-            "high": float(high.flat[0]) if uniform else high.tolist()}
-
-
-def space_from_spec(spec: dict) -> gym.Space:
-    if spec["type"] == "Discrete":
-        return gym.spaces.Discrete(spec["n"])
-    dtype = np.dtype(spec["dtype"])
-    low = np.broadcast_to(np.asarray(spec["low"], dtype=np.float64), spec["shape"]).astype(dtype)
-    high = np.broadcast_to(np.asarray(spec["high"], dtype=np.float64), spec["shape"]).astype(dtype)
-    return gym.spaces.Box(low, high, dtype=dtype)
 
 
 class NatureCNN(nn.Module):
@@ -137,9 +118,7 @@ class ActorCritic(nn.Module):
                  hidden: tuple[int, ...] = (64, 64), activation: str = "tanh", log_std_init: float = 0.0):
         super().__init__()
         # Everything needed to build this network again (a checkpoint stores it under "policy").
-        self.spec = {"class": "ActorCritic", "observation_space": space_spec(observation_space),
-                     "action_space": space_spec(action_space), "hidden_sizes": list(hidden),
-                     "activation": activation, "log_std_init": log_std_init}
+        self.spec = actor_critic_spec(observation_space, action_space, hidden, activation, log_std_init)
         self.trunk, in_dim = encoder(observation_space)
         heads_hidden = () if is_image(observation_space) else tuple(hidden)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)

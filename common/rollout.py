@@ -14,7 +14,9 @@ fraction of the time (torch's import is most of a worker's start-up) and its mem
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import gymnasium as gym
 import numpy as np
 
 from common.normalize import Normalizer
@@ -56,6 +58,33 @@ def action_bounds(space):
 
 
 # --------------------------------------------------------------------------- acting in numpy
+
+def space_spec(space: gym.Space) -> dict:
+    """A Discrete or Box space as plain values (what a checkpoint can hold under weights_only)."""
+    if isinstance(space, gym.spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n)}
+    low, high = np.asarray(space.low), np.asarray(space.high)
+    uniform = low.size and (low == low.flat[0]).all() and (high == high.flat[0]).all()
+    return {"type": "Box", "shape": list(space.shape), "dtype": str(space.dtype),
+            "low": float(low.flat[0]) if uniform else low.tolist(),
+            "high": float(high.flat[0]) if uniform else high.tolist()}
+
+
+def space_from_spec(spec: dict) -> gym.Space:
+    if spec["type"] == "Discrete":
+        return gym.spaces.Discrete(spec["n"])
+    dtype = np.dtype(spec["dtype"])
+    low = np.broadcast_to(np.asarray(spec["low"], dtype=np.float64), spec["shape"]).astype(dtype)
+    high = np.broadcast_to(np.asarray(spec["high"], dtype=np.float64), spec["shape"]).astype(dtype)
+    return gym.spaces.Box(low, high, dtype=dtype)
+
+
+def actor_critic_spec(observation_space, action_space, hidden, activation: str, log_std_init: float) -> dict:
+    """What a checkpoint stores under ``policy`` to build ``common.networks.ActorCritic`` again."""
+    return {"class": "ActorCritic", "observation_space": space_spec(observation_space),
+            "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": activation,
+            "log_std_init": log_std_init}
+
 
 def acts_in_numpy(observation_space) -> bool:
     """Whether ``common.networks.ActorCritic`` is a pair of MLPs for this observation (anything but a
@@ -198,3 +227,69 @@ class RolloutCollector:
             final_values = self.acting.value(self.normalizer.observations(result.final_obs))
             buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
         self.next_obs = result.obs
+
+
+# --------------------------------------------------------------------------- from a rollout to a batch
+
+@dataclass
+class PPOSettings:
+    """The hyperparameters of a PPO update, for either learner (common.ppo, common.numpy_ppo)."""
+
+    n_epochs: int
+    minibatch_size: int
+    clip_coef: float
+    clip_vloss: bool
+    ent_coef: float
+    vf_coef: float
+    max_grad_norm: float
+    norm_adv: bool = True
+    target_kl: float | None = None
+
+
+
+def flat_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float,
+               normalizer: Normalizer) -> dict[str, np.ndarray]:
+    """GAE over a filled rollout, then ``[T, N]`` flattened into one batch of samples.
+
+    Observations are normalized and rewards scaled with the statistics the rollout was collected with.
+    ``logprobs`` and ``values`` stay those the rollout stored, the behaviour policy's: the PPO ratio is
+    taken against them however far the learner has moved on since (a lagged rollout's is not 1 at first).
+    """
+    rewards = normalizer.rewards(buf["rewards"])
+    advantages, returns = compute_gae(rewards, buf["values"], buf["terminations"], buf["truncations"],
+                                      buf["final_values"], buf["next_values"], gamma, gae_lambda)
+    samples = rewards.size
+
+    def flat(array: np.ndarray) -> np.ndarray:
+        return array.reshape(samples, *array.shape[2:])
+
+    return {"obs": flat(normalizer.observations(buf["obs"])), "actions": flat(buf["actions"]),
+            "logprobs": flat(buf["logprobs"]), "values": flat(buf["values"]), "advantages": flat(advantages),
+            "returns": flat(returns)}
+
+
+def compute_gae(rewards: np.ndarray, values: np.ndarray, terminations: np.ndarray,
+                truncations: np.ndarray, final_values: np.ndarray, next_values: np.ndarray,
+                gamma: float, gae_lambda: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalized advantage estimates and returns for a ``[T, N]`` rollout.
+
+    ``values[t]`` is V(s_t); ``next_values`` is V of the observation after the last
+    step. Episodes end with same-step autoreset, so at a done step ``t`` the successor
+    state is the episode's final observation, whose value is ``final_values[t]``. A
+    termination contributes no bootstrap; a truncation (time limit) bootstraps from
+    ``final_values[t]``, because the episode could have gone on.
+    """
+    terminations = np.asarray(terminations, dtype=np.float32)
+    truncations = np.asarray(truncations, dtype=np.float32)
+    steps = rewards.shape[0]
+    advantages = np.zeros_like(rewards, dtype=np.float32)
+    last_gae = np.zeros(rewards.shape[1:], dtype=np.float32)
+    for t in reversed(range(steps)):
+        following = next_values if t == steps - 1 else values[t + 1]
+        successor_value = np.where(truncations[t] > 0, final_values[t], following)
+        successor_value = successor_value * (1.0 - terminations[t])
+        delta = rewards[t] + gamma * successor_value - values[t]
+        episode_continues = (1.0 - terminations[t]) * (1.0 - truncations[t])
+        last_gae = delta + gamma * gae_lambda * episode_continues * last_gae
+        advantages[t] = last_gae
+    return advantages, advantages + values

@@ -358,6 +358,17 @@ class TimeBudget:
 
 
 def _process_start_time() -> float:
+    """When this process started, to the clock tick. On Linux from its start in ticks since boot and the
+    uptime, both exact; psutil adds the boot time, which Linux gives in whole seconds, so its start
+    times are up to a second early (and a 3 s run's start-up read 1.3 s instead of 0.8 s)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import psutil
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from common.checkpoint import (
 from common.config import ConfigError, parse_config, require
 from common.envs import make_vec_env
 from common.networks import ActorCritic, flat_size, read_flat_params, write_flat_params
-from common.ppo import compute_gae
+from common.rollout import compute_gae
 from common.shm import SHM_DIR as SHM
 from common.shm import SharedArray, reclaim_stale_segments, segments_of
 from common.system import assign_devices, resolve_device, threads_per_process
@@ -189,6 +190,47 @@ def test_checkpoint_round_trip_restores_model_optimizer_counters_and_rng(tmp_pat
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
     assert state["global_step"] == 123 and state["optimizer"]["state"]
+
+
+def test_a_checkpoint_written_without_torch_is_the_one_torch_save_writes(tmp_path):
+    """common/torch_file.py: what a process that never imported torch writes loads, value for value and
+    dtype for dtype, as the same state written by torch.save with every array a tensor (also memory-mapped)."""
+    from common import torch_file
+    from common.checkpoint import _tensors
+
+    rng = np.random.default_rng(0)
+    state = {"model": {"critic.0.weight": rng.standard_normal((8, 4)).astype(np.float32),
+                       "actor_logstd": np.full((1, 2), -0.5, np.float32)},
+             "optimizer": {"state": {0: {"step": np.array(3.0, np.float32), "exp_avg": np.ones(5)}},
+                           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},
+             "rng": {"python": random.getstate(), "numpy": ("MT19937", np.arange(624, dtype=np.int64), 2, 0, 0.0)},
+             "counters": {"global_step": 1024, "wall_time": 1.5, "recent_returns": [9.0, 10.5],
+                          "best_mean_return": np.float64(10.5), "flag": True, "none": None},
+             "codes": np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3)), "empty": np.zeros((0, 3)),
+             "frames": np.arange(12, dtype=np.uint8).reshape(3, 4), "mask": np.array([True, False])}
+    with open(tmp_path / "mine.pt", "wb") as f:
+        torch_file.write(state, f)
+    torch.save(_tensors({**state, "counters": {**state["counters"], "best_mean_return": 10.5}}), tmp_path / "torch.pt")
+
+    def same(a, b, where="state"):
+        assert type(a) is type(b), (where, type(a), type(b))
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        elif isinstance(a, dict):
+            assert list(a) == list(b), where
+            for key in a:
+                same(a[key], b[key], f"{where}[{key!r}]")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, where
+
+    want = torch.load(tmp_path / "torch.pt", weights_only=True)
+    same(torch.load(tmp_path / "mine.pt", weights_only=True), want)
+    same(torch.load(tmp_path / "mine.pt", weights_only=True, mmap=True), want)
+    assert want["optimizer"]["state"][0]["step"].shape == ()
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

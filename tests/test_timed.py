@@ -81,12 +81,15 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id, form
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers, form", [(0, "--no-async-training"), (2, "--no-async-training"),
-                                           (1, "--async-training")])
-def test_cartpole_learns_within_a_fixed_step_budget(tmp_path, workers, form):
+@pytest.mark.parametrize("workers, form, learner", [(0, "--no-async-training", "numpy"),
+                                                    (0, "--no-async-training", "torch"),
+                                                    (2, "--no-async-training", "numpy"),
+                                                    (1, "--async-training", "numpy")])
+def test_cartpole_learns_within_a_fixed_step_budget(tmp_path, workers, form, learner):
     run_dir = tmp_path / "learn"
     result = run_script(SCRIPT, *FAST, "--num-workers", workers, form, "--seed", 1, "--target-return", 195,
-                        "--total-timesteps", 150_000, "--no-tensorboard", "--output-dir", run_dir, timeout=220)
+                        "--total-timesteps", 150_000, "--no-tensorboard", "--output-dir", run_dir,
+                        "--learner", learner, timeout=220)
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best_mean_return"] >= 195, summary
@@ -144,30 +147,49 @@ def loaded_libraries(pid: int) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the loaded libraries from /proc")
-def test_workers_of_an_mlp_policy_never_import_torch(tmp_path):
-    """They act in numpy from the published parameters, so their start-up skips torch's import (most of it)."""
-    run_dir = tmp_path / "numpy_workers"
-    proc = start_script(SCRIPT, *TINY, "--num-workers", 2, "--total-timesteps", 10**9, "--output-dir", run_dir)
+@pytest.mark.parametrize("learner", ["auto", "torch"])
+def test_an_mlp_policy_runs_without_torch_but_for_the_torch_learner(tmp_path, learner):
+    """Workers act in numpy from the published parameters, so their start-up skips torch's import (most of
+    it). The numpy learner (auto for an MLP on the CPU) spares the main process the import as well, and
+    writes a checkpoint torch loads; --learner torch learns with torch, in the main process only."""
+    run_dir = tmp_path / learner
+    proc = start_script(SCRIPT, *TINY, "--num-workers", 2, "--total-timesteps", 10**9, "--learner", learner,
+                        "--output-dir", run_dir)
     try:
         wait_for_metrics(run_dir, 2, proc)
         workers = worker_pids(proc.pid)
-        assert len(workers) == 2 and "libtorch" in loaded_libraries(proc.pid)
+        assert len(workers) == 2
+        assert ("libtorch" in loaded_libraries(proc.pid)) == (learner == "torch")
         assert not any("libtorch" in loaded_libraries(pid) for pid in workers)
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 130
     finally:
         kill_tree(proc)
+    assert f"{'torch' if learner == 'torch' else 'numpy'} learner" in (run_dir / "logs" / "main.log").read_text()
+    saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert saved["counters"]["global_step"] == json.loads((run_dir / "summary.json").read_text())["global_step"]
+    assert saved["model"]["actor.4.weight"].shape == (2, 64) and ("torch" in saved["rng"]) == (learner == "torch")
 
 
-def test_resume_continues_from_the_saved_step(tmp_path):
+@pytest.mark.parametrize("first_learner, second_learner", [("numpy", "numpy"), ("numpy", "torch"),
+                                                           ("torch", "numpy")])
+def test_resume_continues_from_the_saved_step(tmp_path, first_learner, second_learner):
+    """Also across learners: the two save the same checkpoint (parameters and Adam's state)."""
     run_dir = tmp_path / "resume"
-    first = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 1024, "--output-dir", run_dir)
+    first = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 1024, "--output-dir", run_dir,
+                       "--learner", first_learner)
     assert first.returncode == 0, first.stderr
     saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert saved["optimizer"]["state"][0]["step"] == 8 * 4 * 2  # 8 updates of 4 epochs of 2 minibatches
     rows_before = metrics_rows(run_dir)
+    # The resumed run learns at the rate it is given, not at the (annealed) one the checkpoint ended with.
     second = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 2048, "--output-dir", run_dir,
-                        "--resume", "auto")
+                        "--resume", "auto", "--learner", second_learner, "--no-anneal-lr", "--learning-rate", 0.002)
     assert second.returncode == 0, second.stderr
+    assert {float(r["learning_rate"]) for r in metrics_rows(run_dir)[len(rows_before):]} == {0.002}
+    assert float(rows_before[-1]["learning_rate"]) < 5e-4
+    resumed = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert resumed["optimizer"]["state"][0]["step"] == 2 * saved["optimizer"]["state"][0]["step"]
     rows = metrics_rows(run_dir)
     steps = [int(r["global_step"]) for r in rows]
     assert steps == sorted(steps) and steps[len(rows_before)] == saved["counters"]["global_step"] + 128

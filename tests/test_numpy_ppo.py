@@ -1,0 +1,157 @@
+"""common/numpy_ppo.py against torch: the hand-written backward pass and Adam must do what autograd and
+FusedAdam do, and checkpoints must move between the two learners.
+
+Promises checked (docs/train_parallel_timed.md, "The learner"): the numpy learner computes the same loss,
+gradients and Adam steps as the torch one; its ``state_dict`` loads into ``ActorCritic`` and back; it
+starts from ActorCritic's initialization (orthogonal weights with its gains, zero biases).
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from common import numpy_ppo, ppo
+from common.networks import ActorCritic
+from common.optim import FusedAdam
+from common.rollout import actor_critic_spec
+
+DISCRETE = gym.spaces.Box(-5, 5, (6,), np.float32), gym.spaces.Discrete(3)
+CONTINUOUS = gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
+def pair(spaces, activation="tanh", hidden=(16, 8), seed=0):
+    spec = actor_critic_spec(*spaces, hidden, activation, -0.3)
+    model = numpy_ppo.MLPActorCritic(spec, *spaces, seed)
+    agent = ActorCritic(*spaces, hidden, activation, -0.3)
+    agent.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
+    return model, agent
+
+
+def batch_for(spaces, size=64, seed=1):
+    rng = np.random.default_rng(seed)
+    obs = rng.standard_normal((size, spaces[0].shape[0])).astype(np.float32)
+    if hasattr(spaces[1], "n"):
+        actions = rng.integers(0, spaces[1].n, size)
+        logprobs = np.log(rng.uniform(0.2, 0.5, size)).astype(np.float32)
+    else:
+        actions = rng.standard_normal((size, spaces[1].shape[0])).astype(np.float32)
+        logprobs = rng.normal(-2.5, 0.5, size).astype(np.float32)
+    values = rng.standard_normal(size).astype(np.float32)
+    return {"obs": obs, "actions": actions, "logprobs": logprobs, "values": values,
+            "advantages": rng.standard_normal(size).astype(np.float32),
+            "returns": (values + rng.standard_normal(size)).astype(np.float32)}
+
+
+def settings(**changes):
+    fields = dict(n_epochs=1, minibatch_size=64, clip_coef=0.2, clip_vloss=False, ent_coef=0.01, vf_coef=0.5,
+                  max_grad_norm=1e9)
+    return ppo.PPOSettings(**{**fields, **changes})
+
+
+def torch_gradients(agent, batch, ppo_settings):
+    """The gradient of ppo_update's loss on the whole batch as one minibatch, as torch computes it."""
+    captured = {}
+
+    class Capture:
+        param_groups = [{"lr": 0.0}]
+
+        def zero_grad(self, set_to_none=True):
+            agent.zero_grad(set_to_none=True)
+
+        def step(self):
+            pass
+
+    def grab():
+        captured.update({name: p.grad.detach().numpy().copy() for name, p in agent.named_parameters()})
+
+    stats = ppo.ppo_update(agent, Capture(), {k: torch.as_tensor(v) for k, v in batch.items()}, ppo_settings,
+                           after_backward=grab)
+    return captured, stats
+
+
+@pytest.mark.parametrize("spaces,activation,clip_vloss,norm_adv", [
+    (DISCRETE, "tanh", False, True), (DISCRETE, "relu", True, False),
+    (CONTINUOUS, "tanh", True, True), (CONTINUOUS, "relu", False, True)])
+def test_gradients_and_statistics_match_torch_autograd(spaces, activation, clip_vloss, norm_adv):
+    model, agent = pair(spaces, activation)
+    batch = batch_for(spaces)
+    # Move the learner away from the old policy, so that the ratio is clipped for some samples.
+    model.params += np.random.default_rng(3).normal(0, 0.2, model.params.shape).astype(np.float32)
+    agent.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
+    ppo_settings = settings(clip_vloss=clip_vloss, norm_adv=norm_adv)
+    want, torch_stats = torch_gradients(agent, batch, ppo_settings)
+
+    stats = model.loss_and_gradients(batch["obs"], batch["actions"], batch["logprobs"], batch["advantages"],
+                                     batch["returns"], batch["values"], ppo_settings)
+    assert 0.05 < stats["clipped"] < 0.95  # both branches of the clipped surrogate are exercised
+    got = dict(zip(model.names, numpy_ppo._split(model.grads, model.shapes)))
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        np.testing.assert_allclose(got[name], grad, rtol=2e-4, atol=2e-6, err_msg=name)
+    for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "old_approx_kl"):
+        assert stats[key] == pytest.approx(torch_stats[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("spaces", [DISCRETE, CONTINUOUS])
+def test_updates_with_clipping_and_adam_match_the_torch_learner(spaces):
+    """Three epochs over one minibatch (so the sample order cannot differ), gradient clipping active,
+    Adam at 3e-3: the parameters and Adam's moments stay within float32 noise of the torch learner's."""
+    model, agent = pair(spaces)
+    batch = batch_for(spaces)
+    ppo_settings = settings(n_epochs=3, max_grad_norm=0.1)
+    optimizer = numpy_ppo.Adam(model.params, model.grads, model.shapes, lr=3e-3, eps=1e-5)
+    stats = numpy_ppo.ppo_update(model, optimizer, batch, ppo_settings, np.random.default_rng(0))
+    torch_optimizer = FusedAdam(agent.parameters(), lr=3e-3, eps=1e-5)
+    torch_stats = ppo.ppo_update(agent, torch_optimizer, {k: torch.as_tensor(v) for k, v in batch.items()},
+                                 ppo_settings)
+    for name, value in agent.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name], value.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    for key in ("policy_loss", "value_loss", "clipfrac", "explained_variance"):
+        assert stats[key] == pytest.approx(torch_stats[key], rel=1e-3, abs=1e-5), key
+    # Adam's state moves across: numpy -> torch -> numpy, moments and step count intact.
+    saved = optimizer.state_dict()
+    assert saved["state"][0]["step"] == 3
+    as_tensors = {"state": {i: {k: torch.as_tensor(v) for k, v in s.items()} for i, s in saved["state"].items()},
+                  "param_groups": saved["param_groups"]}
+    fresh = FusedAdam(ActorCritic(*spaces, (16, 8), "tanh", -0.3).parameters(), lr=1.0)
+    fresh.load_state_dict(as_tensors)
+    back = numpy_ppo.Adam(np.zeros_like(model.params), np.zeros_like(model.grads), model.shapes, lr=1.0)
+    back.load_state_dict(fresh.state_dict())
+    assert back.steps == 3 and back.param_groups[0]["lr"] == 3e-3
+    np.testing.assert_array_equal(back.exp_avg_sq, optimizer.exp_avg_sq)
+    for torch_state, numpy_m in zip(torch_optimizer.exp_avg, numpy_ppo._split(optimizer.exp_avg, model.shapes)):
+        np.testing.assert_allclose(numpy_m, torch_state.numpy(), rtol=1e-3, atol=1e-6)
+
+
+def test_initialization_is_actor_critics_and_state_dicts_interchange():
+    spaces = CONTINUOUS
+    spec = actor_critic_spec(*spaces, (16, 8), "tanh", -0.3)
+    model = numpy_ppo.MLPActorCritic(spec, *spaces, seed=5)
+    agent = ActorCritic(*spaces, (16, 8), "tanh", -0.3)
+    state = model.state_dict()
+    assert list(state) == list(agent.state_dict())  # same names, same order (the flat parameter layout)
+    for name, value in agent.state_dict().items():
+        assert state[name].shape == tuple(value.shape) and state[name].dtype == np.float32
+    gains = {"critic.0": 2 ** 0.5, "critic.2": 2 ** 0.5, "critic.4": 1.0, "actor.4": 0.01}
+    for layer, gain in gains.items():
+        weight = state[f"{layer}.weight"].astype(np.float64)
+        rows, cols = weight.shape
+        gram = weight @ weight.T if rows <= cols else weight.T @ weight
+        np.testing.assert_allclose(gram, gain ** 2 * np.eye(min(rows, cols)), atol=1e-5)
+        assert not state[f"{layer}.bias"].any()
+    np.testing.assert_array_equal(state["actor_logstd"], np.full((1, 2), -0.3, np.float32))
+    assert not np.array_equal(state["critic.0.weight"],
+                              numpy_ppo.MLPActorCritic(spec, *spaces, seed=6).state_dict()["critic.0.weight"])
+    # torch -> numpy: the same network acts the same
+    agent.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    trained = ActorCritic(*spaces, (16, 8), "tanh", -0.3)
+    model.load_state_dict(trained.state_dict())
+    obs = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(model._forward(obs, model.critic)[-1][:, 0],
+                                   trained.get_value(torch.from_numpy(obs)).numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not"):
+        model.load_state_dict({"critic.0.weight": np.zeros((16, 5))})
