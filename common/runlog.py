@@ -111,17 +111,14 @@ class MetricsWriter:
         if new_file:
             self._csv.writeheader()
             self._file.flush()
-        # The writer (and torch with it) is made at the first value written, not here: a script starts
-        # its workers before it needs torch, and they start while this process imports it.
+        # The writer is made at the first value written, not here: a script starts its workers first.
         self._tb_dir = Path(run_dir) / tb_subdir if tensorboard else None
         self._tb = None
 
     def _board(self):
         """The TensorBoard writer, made on first use; None without TensorBoard."""
         if self._tb is None and self._tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self._tb_dir))
+            self._tb = ScalarBoard(self._tb_dir)
         return self._tb
 
     def write(self, row: dict[str, Any]) -> None:
@@ -149,6 +146,27 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._tb, self._tb_dir = None, None
+
+
+class ScalarBoard:
+    """TensorBoard scalars through tensorboard's own event-file writer: the events torch's
+    ``SummaryWriter.add_scalar`` writes (it uses the same writer), without importing torch, which a
+    run that learns in numpy never needs otherwise (1.4 s of its start on 2 cores)."""
+
+    def __init__(self, log_dir: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(log_dir))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _csv_value(value: Any) -> Any:

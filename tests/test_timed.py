@@ -151,10 +151,11 @@ def loaded_libraries(pid: int) -> str:
 def test_an_mlp_policy_runs_without_torch_but_for_the_torch_learner(tmp_path, learner):
     """Workers act in numpy from the published parameters, so their start-up skips torch's import (most of
     it). The numpy learner (auto for an MLP on the CPU) spares the main process the import as well, and
-    writes a checkpoint torch loads; --learner torch learns with torch, in the main process only."""
+    writes a checkpoint torch loads and TensorBoard events; --learner torch learns with torch, in the main
+    process only."""
     run_dir = tmp_path / learner
     proc = start_script(SCRIPT, *TINY, "--num-workers", 2, "--total-timesteps", 10**9, "--learner", learner,
-                        "--output-dir", run_dir)
+                        "--output-dir", run_dir, "--tensorboard")  # (TensorBoard's writer needs no torch either)
     try:
         wait_for_metrics(run_dir, 2, proc)
         workers = worker_pids(proc.pid)
@@ -169,6 +170,7 @@ def test_an_mlp_policy_runs_without_torch_but_for_the_torch_learner(tmp_path, le
     saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     assert saved["counters"]["global_step"] == json.loads((run_dir / "summary.json").read_text())["global_step"]
     assert saved["model"]["actor.4.weight"].shape == (2, 64) and ("torch" in saved["rng"]) == (learner == "torch")
+    assert {"charts/episodic_return", "losses/policy_loss", "prl/collect_sps"} <= tensorboard_tags(run_dir / "tb")
 
 
 @pytest.mark.parametrize("first_learner, second_learner", [("numpy", "numpy"), ("numpy", "torch"),
