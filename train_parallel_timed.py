@@ -76,7 +76,7 @@ class Config(RunConfig, NormalizationSettings):
     # numpy learns an MLP policy on the CPU 2-5x faster than torch and without importing it (docs/performance.md)
     learner: str = "auto"  # auto (numpy for an MLP policy on the CPU outside torchrun, else torch), numpy or torch
     # Workers collect the next rollout (acting one update behind) while the learner updates; needs workers. Off by
-    # default: 21 % less time per step, 22 % more steps to LunarLander's target (benchmarks/results/overlap.md).
+    # default: LunarLander needed 2.6x the steps to its target overlapped (docs/performance.md).
     async_training: bool = False  # collect while learning, one update behind
 
     MIN_WORKERS = 0
