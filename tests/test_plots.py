@@ -24,11 +24,22 @@ def plots_of(tmp_path) -> list[dict]:
             for name in ("training_curve", "ultra_results", "population")]
 
 
+def command_line(pid: int) -> str:
+    """The process's command line, once it has one (between fork and exec /proc reads it empty)."""
+    deadline = time.monotonic() + 10
+    while not (line := " ".join(psutil.Process(pid).cmdline())) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return line
+
+
 def test_the_plotter_draws_every_plot_and_exits(tmp_path):
     plotter = Plotter.start()
     proc = plotter.proc
-    assert proc is not None and "common.plots" in " ".join(psutil.Process(proc.pid).cmdline())
-    assert plotter.draw(plots_of(tmp_path)) == []
+    try:
+        assert proc is not None and "common.plots" in command_line(proc.pid)
+        assert plotter.draw(plots_of(tmp_path)) == []
+    finally:
+        plotter.close()  # ends it if an assertion came first (after draw() it is no longer the plotter's)
     assert proc.returncode == 0  # it drew them itself, then exited
     for name in ("training_curve", "ultra_results", "population"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 10_000
