@@ -24,6 +24,7 @@ from __future__ import annotations  # noqa: I001 (common first: its numpy settin
 
 import common  # noqa: F401 (one BLAS thread per process, which numpy reads once as it loads: common/__init__.py)
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -317,6 +318,14 @@ def numpy_learner_fits(cfg: Config, observation_space, world_size: int) -> bool:
     return rollout.acts_in_numpy(observation_space) and resolve_device(cfg.device) == "cpu" and world_size == 1
 
 
+def check_learner(cfg: Config, env) -> None:
+    """Refuse ``--learner numpy`` where it cannot learn, before anything is written (exit 2)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed.launched_by_torchrun() else 1
+    if cfg.learner == "numpy" and not numpy_learner_fits(cfg, env.observation_space, world_size):
+        raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU "
+                          "in one process; use torch or auto for images, a GPU or torchrun")
+
+
 class NumpyLearner:
     """``common.numpy_ppo``'s actor-critic and Adam."""
 
@@ -413,11 +422,9 @@ class PPOTrainer:
         self.collector = WorkerCollector(run, arrays, seed) if cfg.num_workers else None
         np.random.seed(cfg.seed)
         settings = ppo_settings(cfg)
-        fits = numpy_learner_fits(cfg, spaces[0], dist.world_size)
-        if cfg.learner == "numpy" and not fits:
-            raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU "
-                              "in one process; use torch or auto for images, a GPU or torchrun")
-        use_numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and fits)
+        # (check_learner refused --learner numpy where it does not fit, before the run began)
+        use_numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and numpy_learner_fits(cfg, spaces[0],
+                                                                                            dist.world_size))
         self.learner = NumpyLearner(run, spaces, settings) if use_numpy else TorchLearner(run, spaces, settings)
         # A resumed run learns at the configured rate (annealed from it), not at the one its checkpoint ended with.
         self.learner.optimizer.param_groups[0]["lr"] = cfg.learning_rate
@@ -526,7 +533,7 @@ class PPOTrainer:
 
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],
-            actions=("Discrete", "Box"), resume_requires=("model", "optimizer"), distributed=True,
+            actions=("Discrete", "Box"), resume_requires=("model", "optimizer"), distributed=True, check=check_learner,
             metrics_columns=["collect_sps", "learning_rate", "policy_loss", "value_loss", "entropy", "approx_kl",
                              "clipfrac", "explained_variance", "update_ms", "wait_ms", "allreduce_ms",
                              "allreduce_kib", "params_hash", "world_size"])

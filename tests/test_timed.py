@@ -104,6 +104,14 @@ def test_a_batch_that_does_not_divide_the_rollout_is_refused(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
 
 
+def test_the_numpy_learner_where_it_cannot_learn_is_refused(tmp_path):
+    """Catch-v0's observations are pictures (a CNN, so torch): one line, exit 2, nothing written."""
+    result = run_script(SCRIPT, "--env-id", "Catch-v0", "--num-workers", 0, "--learner", "numpy",
+                        "--output-dir", tmp_path / "never", timeout=60)
+    assert result.returncode == 2 and "--learner 'numpy': numpy learns an MLP policy" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
 def test_collecting_while_learning_needs_workers(tmp_path):
     result = run_script(SCRIPT, "--async-training", "--num-workers", "0", "--output-dir", tmp_path / "never",
                         timeout=60)
