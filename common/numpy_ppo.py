@@ -2,8 +2,10 @@
 
 An MLP policy's update is a few dozen small matrix products per minibatch, where torch spends
 more time dispatching operations and recording the autograd graph than computing: a LunarLander
-minibatch of 256 took 4.3 ms with torch and 0.85 ms here (docs/performance.md). And a process
-that learns in numpy never imports torch (1.4 s on a 2-core machine) until it writes a checkpoint.
+update (16 minibatches of 256, 4 epochs) took 143 ms with torch and 65 ms here, medians on a
+2-core machine (docs/performance.md, "The numpy learner"). And a process that learns in numpy
+never imports torch (1.4 s on that machine): it writes its checkpoints without it
+(common/torch_file.py).
 
 :class:`MLPActorCritic` is the numpy twin of ``common.networks.ActorCritic`` for vector
 observations: the same layers, the same parameters in the same order (``parameters()`` order,

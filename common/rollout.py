@@ -121,7 +121,7 @@ class NumpyActing:
     overhead dominates: numpy's matmuls took a quarter of the time (16 CartPole envs: 122 vs
     511 us per step, measured). Actions are sampled from the same distributions as
     ``ActorCritic.act`` (categorical by the Gumbel-max trick, or the diagonal Gaussian), with
-    this collector's own generator; the learner recomputes log-probabilities with torch.
+    this collector's own generator; the learner recomputes log-probabilities (common.ppo, common.numpy_ppo).
     ``params`` returns the current flat parameter vector (``networks.write_flat_params``'s
     layout: shared memory a learner publishes to, or a copy of a local network's).
     """
