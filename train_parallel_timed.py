@@ -74,7 +74,7 @@ class Config(RunConfig, NormalizationSettings):
     log_std_init: float = 0.0  # Box actions: the first policy's log standard deviation (then learned)
     torch_threads: int = 1  # learner's torch threads (0 = every core); 64-wide MLPs update fastest on one
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
-    # numpy learns an MLP policy on the CPU 2-5x faster than torch and without importing it (docs/performance.md)
+    # numpy updates an MLP policy on the CPU 1.5-2.2x faster than torch, without importing it (docs/performance.md)
     learner: str = "auto"  # auto (numpy for an MLP policy on the CPU outside torchrun, else torch), numpy or torch
     # Workers collect the next rollout (acting one update behind) while the learner updates; needs workers. Off by
     # default: LunarLander needed 2.6x the steps to its target overlapped (docs/performance.md).

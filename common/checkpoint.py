@@ -40,7 +40,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     try:
         with open(tmp, "wb") as f:
             if "torch" in sys.modules:
-                torch.save(_tensors(state), f)
+                torch.save(torch_file.plain(state, _tensor), f)
             else:
                 torch_file.write(state, f)
             f.flush()
@@ -52,14 +52,8 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def _tensors(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
-    if isinstance(value, dict):
-        return {key: _tensors(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tensors(item) for item in value)
-    return value
+def _tensor(array: np.ndarray):
+    return torch.from_numpy(array if array.flags.c_contiguous else array.copy(order="C"))
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
@@ -150,4 +144,3 @@ def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_
     if hidden_sizes is not None and list(saved_sizes or []) != list(hidden_sizes):
         raise CheckpointError(f"{path}: checkpoint has hidden sizes {saved_sizes}, not {list(hidden_sizes)}")
     return path, state
-

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from common.rollout import actor_critic_shapes, parameter_count
+from common.rollout import actor_critic_shapes, parameter_count, split_flat
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -37,7 +37,8 @@ def orthogonal(shape: tuple[int, int], gain: float, rng: np.random.Generator) ->
 
 class MLPActorCritic:
     """Separate actor and critic MLPs over a flat parameter vector ``params`` (float32), with a
-    gradient vector ``grads`` of the same layout; ``layers`` and ``grad_layers`` are views into them."""
+    gradient vector ``grads`` of the same layout; ``critic``, ``actor`` (each a list of (weight, bias)),
+    ``log_std`` and their ``grad_*`` twins are views into them."""
 
     def __init__(self, spec: dict, observation_space, action_space, seed: int):
         self.spec = spec
@@ -53,7 +54,7 @@ class MLPActorCritic:
         for head in ("critic", "actor"):
             self.names += [f"{head}.{2 * i}.{kind}" for i in range(depth) for kind in ("weight", "bias")]
         self.shapes = shapes
-        views, grad_views = _split(self.params, shapes), _split(self.grads, shapes)
+        views, grad_views = split_flat(self.params, shapes), split_flat(self.grads, shapes)
         self.log_std = None if self.discrete else views.pop(0)
         self.grad_log_std = None if self.discrete else grad_views.pop(0)
         pairs = list(zip(views[0::2], views[1::2]))
@@ -71,10 +72,10 @@ class MLPActorCritic:
 
     # -- parameters
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {name: view.copy() for name, view in zip(self.names, _split(self.params, self.shapes))}
+        return {name: view.copy() for name, view in zip(self.names, split_flat(self.params, self.shapes))}
 
     def load_state_dict(self, state: dict) -> None:
-        views = _split(self.params, self.shapes)
+        views = split_flat(self.params, self.shapes)
         if set(state) != set(self.names):
             raise ValueError(f"a model with parameters {sorted(state)}, not {sorted(self.names)}")
         for name, view in zip(self.names, views):
@@ -198,7 +199,8 @@ class Adam:
                      decoupled_weight_decay=False)
         state = {}
         if self.steps:
-            for i, (m, v) in enumerate(zip(_split(self.exp_avg, self.shapes), _split(self.exp_avg_sq, self.shapes))):
+            moments = zip(split_flat(self.exp_avg, self.shapes), split_flat(self.exp_avg_sq, self.shapes))
+            for i, (m, v) in enumerate(moments):
                 state[i] = {"step": np.array(float(self.steps), dtype=np.float32), "exp_avg": m.copy(),
                             "exp_avg_sq": v.copy()}
         return {"state": state, "param_groups": [group]}
@@ -213,7 +215,7 @@ class Adam:
             self.exp_avg[:], self.exp_avg_sq[:], self.steps = 0.0, 0.0, 0
             return
         for key, target in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            for view, s in zip(_split(target, self.shapes), saved):
+            for view, s in zip(split_flat(target, self.shapes), saved):
                 view[:] = np.asarray(s[key], dtype=np.float32).reshape(view.shape)
         self.steps = int(float(np.asarray(saved[0]["step"])))
 
@@ -242,12 +244,3 @@ def ppo_update(model: MLPActorCritic, optimizer: Adam, batch: dict[str, np.ndarr
     var_returns = float(returns.var(ddof=1)) if size > 1 else 0.0
     explained = 1.0 - float((returns - values).var(ddof=1)) / var_returns if var_returns > 0 else float("nan")
     return {**stats, "clipfrac": clipped / max(1, minibatches), "explained_variance": explained}
-
-
-def _split(flat: np.ndarray, shapes) -> list[np.ndarray]:
-    views, offset = [], 0
-    for shape in shapes:
-        count = int(np.prod(shape))
-        views.append(flat[offset:offset + count].reshape(shape))
-        offset += count
-    return views

@@ -57,7 +57,7 @@ def action_bounds(space):
     return (space.low, space.high) if hasattr(space, "low") else (None, None)
 
 
-# --------------------------------------------------------------------------- acting in numpy
+# --------------------------------------------------------------------------- the policy's description
 
 def space_spec(space: gym.Space) -> dict:
     """A Discrete or Box space as plain values (what a checkpoint can hold under weights_only)."""
@@ -85,6 +85,8 @@ def actor_critic_spec(observation_space, action_space, hidden, activation: str, 
             "action_space": space_spec(action_space), "hidden_sizes": list(hidden), "activation": activation,
             "log_std_init": log_std_init}
 
+
+# --------------------------------------------------------------------------- acting in numpy
 
 def acts_in_numpy(observation_space) -> bool:
     """Whether ``common.networks.ActorCritic`` is a pair of MLPs for this observation (anything but a
@@ -114,6 +116,16 @@ def parameter_count(shapes) -> int:
     return sum(int(np.prod(shape)) for shape in shapes)
 
 
+def split_flat(flat: np.ndarray, shapes) -> list[np.ndarray]:
+    """Views into a flat parameter vector, one of each of ``shapes``, in order."""
+    views, offset = [], 0
+    for shape in shapes:
+        count = int(np.prod(shape))
+        views.append(flat[offset:offset + count].reshape(shape))
+        offset += count
+    return views
+
+
 class NumpyActing:
     """The rollout step of an MLP actor-critic in numpy, from a flat copy of its parameters.
 
@@ -141,11 +153,7 @@ class NumpyActing:
         flat = np.asarray(self.params(), dtype=np.float32)
         if flat.size != self.size:
             raise ValueError(f"{flat.size} parameters where the MLP policy has {self.size}")
-        tensors, offset = [], 0
-        for shape in self.shapes:
-            count = int(np.prod(shape))
-            tensors.append(flat[offset:offset + count].reshape(shape))
-            offset += count
+        tensors = split_flat(flat, self.shapes)
         self.log_std = None if self.discrete else tensors.pop(0)[0].copy()
         # what is left: the weight and bias of every layer, the critic's, then the actor's
         layers = [(weight.T.copy(), bias.copy()) for weight, bias in zip(tensors[0::2], tensors[1::2])]
@@ -244,7 +252,6 @@ class PPOSettings:
     max_grad_norm: float
     norm_adv: bool = True
     target_kl: float | None = None
-
 
 
 def flat_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float,

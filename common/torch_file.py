@@ -19,7 +19,7 @@ import collections
 import io
 import pickle
 import zipfile
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,15 +87,14 @@ def write(state: Any, file) -> None:
     numpy array a CPU tensor."""
     data = io.BytesIO()
     pickler = _Pickler(data)
-    pickler.dump(_numbers(state))
+    pickler.dump(plain(state))
     records = [("data.pkl", data.getvalue()), (".format_version", b"1"),
                (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little")]
     records += [(f"data/{s.key}", s.array.tobytes()) for s in pickler.storages]
     records += [("version", b"3\n")]
     with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED) as archive:
         for name, payload in records:
-            info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_STORED
+            info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))  # (stored: the default)
             # Pad the local header's extra field (id "FB", as torch's writer does) so the payload is aligned.
             header = 30 + len(info.filename.encode())
             start = archive.fp.tell() + header + 4
@@ -103,17 +102,15 @@ def write(state: Any, file) -> None:
             archive.writestr(info, payload)
 
 
-def _numbers(value: Any) -> Any:
-    """numpy scalars as Python numbers (a weights_only load refuses numpy's own types)."""
+def plain(value: Any, array: Callable[[np.ndarray], Any] = lambda a: a) -> Any:
+    """``value`` with numpy scalars as Python numbers (a weights_only load refuses numpy's own types) and
+    every numpy array passed through ``array`` (``common.checkpoint`` makes them tensors for torch.save)."""
+    if isinstance(value, np.ndarray):
+        return array(value)
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict):
-        return {key: _numbers(item) for key, item in value.items()}
+        return {key: plain(item, array) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_numbers(item) for item in value)
+        return type(value)(plain(item, array) for item in value)
     return value
-
-
-def save(state: Any, path: str | Path) -> None:
-    with open(path, "wb") as f:
-        write(state, f)

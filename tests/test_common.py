@@ -196,7 +196,7 @@ def test_a_checkpoint_written_without_torch_is_the_one_torch_save_writes(tmp_pat
     """common/torch_file.py: what a process that never imported torch writes loads, value for value and
     dtype for dtype, as the same state written by torch.save with every array a tensor (also memory-mapped)."""
     from common import torch_file
-    from common.checkpoint import _tensors
+    from common.checkpoint import _tensor
 
     rng = np.random.default_rng(0)
     state = {"model": {"critic.0.weight": rng.standard_normal((8, 4)).astype(np.float32),
@@ -210,7 +210,8 @@ def test_a_checkpoint_written_without_torch_is_the_one_torch_save_writes(tmp_pat
              "frames": np.arange(12, dtype=np.uint8).reshape(3, 4), "mask": np.array([True, False])}
     with open(tmp_path / "mine.pt", "wb") as f:
         torch_file.write(state, f)
-    torch.save(_tensors({**state, "counters": {**state["counters"], "best_mean_return": 10.5}}), tmp_path / "torch.pt")
+    torch.save(torch_file.plain({**state, "counters": {**state["counters"], "best_mean_return": 10.5}}, _tensor),
+               tmp_path / "torch.pt")
 
     def same(a, b, where="state"):
         assert type(a) is type(b), (where, type(a), type(b))

@@ -16,7 +16,7 @@ import torch
 from common import numpy_ppo, ppo
 from common.networks import ActorCritic
 from common.optim import FusedAdam
-from common.rollout import actor_critic_spec
+from common.rollout import actor_critic_spec, split_flat
 
 DISCRETE = gym.spaces.Box(-5, 5, (6,), np.float32), gym.spaces.Discrete(3)
 CONTINUOUS = gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32)
@@ -87,7 +87,7 @@ def test_gradients_and_statistics_match_torch_autograd(spaces, activation, clip_
     stats = model.loss_and_gradients(batch["obs"], batch["actions"], batch["logprobs"], batch["advantages"],
                                      batch["returns"], batch["values"], ppo_settings)
     assert 0.05 < stats["clipped"] < 0.95  # both branches of the clipped surrogate are exercised
-    got = dict(zip(model.names, numpy_ppo._split(model.grads, model.shapes)))
+    got = dict(zip(model.names, split_flat(model.grads, model.shapes)))
     assert set(got) == set(want)
     for name, grad in want.items():
         np.testing.assert_allclose(got[name], grad, rtol=2e-4, atol=2e-6, err_msg=name)
@@ -122,7 +122,7 @@ def test_updates_with_clipping_and_adam_match_the_torch_learner(spaces):
     back.load_state_dict(fresh.state_dict())
     assert back.steps == 3 and back.param_groups[0]["lr"] == 3e-3
     np.testing.assert_array_equal(back.exp_avg_sq, optimizer.exp_avg_sq)
-    for torch_state, numpy_m in zip(torch_optimizer.exp_avg, numpy_ppo._split(optimizer.exp_avg, model.shapes)):
+    for torch_state, numpy_m in zip(torch_optimizer.exp_avg, split_flat(optimizer.exp_avg, model.shapes)):
         np.testing.assert_allclose(numpy_m, torch_state.numpy(), rtol=1e-3, atol=1e-6)
 
 
