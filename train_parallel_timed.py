@@ -432,10 +432,13 @@ class PPOTrainer:
             self.normalizer.load_state_dict(run.resumed)
         if self.collector is None:
             self.collector = InProcessCollector(run, self.shared, seed, getattr(self.learner, "cpu_agent", None))
-        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, %s learner, "
-                     "world size %d, run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker,
+        self.learner_name = "numpy" if use_numpy else "torch"
+        self.learner_device = "cpu" if use_numpy else str(self.learner.device)
+        run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, %s learner on %s, "
+                     "world size %d%s, run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker,
                      cfg.n_steps * cfg.total_envs, "collecting while learning" if cfg.async_training else "synchronous",
-                     "numpy" if use_numpy else "torch", dist.world_size, run.run_dir)
+                     self.learner_name, self.learner_device, dist.world_size,
+                     f" (backend {dist.backend})" if dist.world_size > 1 else "", run.run_dir)
 
     def stop_reason(self) -> str | None:
         """Every rank stops after the same update: a signal anywhere, or rank 0's decision."""
@@ -529,7 +532,7 @@ class PPOTrainer:
         return {**self.learner.state_dict(), **self.normalizer.state_dict()}
 
     def summary(self) -> dict:
-        return {"async_training": self.cfg.async_training}
+        return {"async_training": self.cfg.async_training, "learner": self.learner_name, "device": self.learner_device}
 
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],

@@ -101,7 +101,10 @@ class TorchDistributed:
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
-        backend = "nccl" if use_cuda else "gloo"
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); ranks that share GPUs keep their
+        # learners there and reduce over gloo, which copies through host memory.
+        shares_gpus = use_cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+        backend = "nccl" if use_cuda and not shares_gpus else "gloo"
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         store = _store_of_this_attempt(dist, timeout)
         if store is None:

@@ -77,11 +77,13 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
     sample dimension first. ``after_backward`` runs between ``backward()`` and the
     optimizer step (distributed training averages gradients there).
     """
-    size = batch["obs"].shape[0]
-    clipped, minibatches = torch.zeros(()), 0  # summed on the device; read once at the end (no per-step sync)
+    size, device = batch["obs"].shape[0], batch["obs"].device
+    # summed on the batch's device and read once at the end: no per-minibatch sync with a GPU
+    clipped, minibatches = torch.zeros((), device=device), 0
     approx_kl = old_approx_kl = pg_loss = v_loss = entropy_loss = torch.zeros(())
     for _ in range(settings.n_epochs):
-        order = torch.randperm(size, generator=generator)
+        # drawn on the CPU (the seeded generator's stream is the same on any device), indexed on the batch's
+        order = torch.randperm(size, generator=generator).to(device)
         for start in range(0, size, settings.minibatch_size):
             mb_inds = order[start:start + settings.minibatch_size]
             _, newlogprob, entropy, newvalue = agent.get_action_and_value(

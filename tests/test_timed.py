@@ -174,9 +174,12 @@ def test_an_mlp_policy_runs_without_torch_but_for_the_torch_learner(tmp_path, le
         assert proc.wait(30) == 130
     finally:
         kill_tree(proc)
-    assert f"{'torch' if learner == 'torch' else 'numpy'} learner" in (run_dir / "logs" / "main.log").read_text()
+    chosen = "torch" if learner == "torch" else "numpy"
+    assert f"{chosen} learner on cpu" in (run_dir / "logs" / "main.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["learner"] == chosen and summary["device"] == "cpu"
     saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
-    assert saved["counters"]["global_step"] == json.loads((run_dir / "summary.json").read_text())["global_step"]
+    assert saved["counters"]["global_step"] == summary["global_step"]
     assert saved["model"]["actor.4.weight"].shape == (2, 64) and ("torch" in saved["rng"]) == (learner == "torch")
     assert {"charts/episodic_return", "losses/policy_loss", "prl/collect_sps"} <= tensorboard_tags(run_dir / "tb")
 
