@@ -96,7 +96,8 @@ MODES = {
 # Optional packages: what each enables and the requirements file that pins it (``packages`` are its lines
 # there; Box2D comes with requirements.txt's gymnasium[box2d], the rest with requirements-extras.txt).
 EXTRAS = [
-    {"extra": "Box2D", "modules": ["Box2D"], "packages": ["gymnasium[box2d]"], "file": "requirements.txt",
+    # gymnasium.envs.box2d imports pygame with any of its envs (CarRacing draws with it even unrendered)
+    {"extra": "Box2D", "modules": ["Box2D", "pygame"], "packages": ["gymnasium[box2d]"], "file": "requirements.txt",
      "enables": "LunarLander-v3, BipedalWalker-v3, CarRacing-v3"},
     {"extra": "onnx", "modules": ["onnx", "onnxruntime", "onnxscript"], "file": "requirements-extras.txt",
      "packages": ["onnx", "onnxruntime", "onnxscript"],
@@ -397,23 +398,28 @@ def plan_population(m: system.Machine) -> Plan:
     # One core stays for the coordinator; each worker's GPU memory counts too.
     workers, notes = fit_workers(m, max(1, m.usable_cores - 1), per_worker, MAIN_RSS + cache, per_gpu=POPULATION_VRAM)
     threads = max(1, m.usable_cores // max(1, workers))
+    # The script's device "auto" puts image (CNN) policies on the GPUs and MLP policies, the default
+    # market's among them, on the CPU, where they measured faster; the memory plan still counts the GPUs.
     if gpus:
-        devices = (f"round robin over {gpus} GPUs: worker i on cuda:(i mod {gpus}), "
+        on_gpus = (f"round robin over {gpus} GPUs: worker i on cuda:(i mod {gpus}), "
                    f"{math.ceil(max(1, workers) / gpus)} per GPU" if gpus > 1 else "every worker on cuda:0")
+        devices = (f"MLP policies (the default {mode.default_env}'s) on the CPU, where they train faster; "
+                   f"image policies {on_gpus}")
     else:
         devices = "every worker on the CPU"
     memory = memory_plan(m, workers, per_worker, MAIN_RSS, {"cache": cache}, ("cache",))
     plan = Plan("ppo-multiprocess", [mode.workers_flag, str(max(1, workers))],
                 {"num_workers": workers, "num_envs_per_worker": d["num_envs_per_worker"],
-                 "device": "cuda" if gpus else "cpu"},  # what the script's device "auto" picks
+                 "device": "cpu"},  # what the script's device "auto" picks for the default env's MLP policy
                 {"per_worker": threads}, devices, memory, warnings=notes)
     if workers < 1:
         plan.cannot_run = "not enough RAM or GPU memory for one worker"
     elif cache > SHM_SHARE * m.shm_free:
         plan.cannot_run = (f"the market cache needs {system.format_bytes(cache)} of /dev/shm, "
                            f"{system.format_bytes(m.shm_free)} free (docker: --shm-size=8g)")
-    plan.reason = (f"{gpus} GPUs: a population of {workers} independent agents, spread round robin, keeps every "
-                   "GPU busy" if gpus > 1 else f"a population of {workers} independent agents, one per core")
+    plan.reason = (f"{gpus} GPUs: a population of {workers} independent agents, one per core; image policies "
+                   "spread round robin over the GPUs" if gpus > 1
+                   else f"a population of {workers} independent agents, one per core")
     return plan
 
 

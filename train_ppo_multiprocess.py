@@ -205,7 +205,7 @@ class TrainKwargs(RunConfig):
     duration: float | None = None  # hours of training (from when the workers are up); then each saves, is evaluated
     target_return: str | None = "auto"  # a worker is done once the mean of its last 100 returns reaches this
     checkpoint_every: int = 50_000  # steps between a worker's checkpoints worker_<i>_step_<S>.pt
-    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    device: str = "auto"  # auto (GPUs for image observations, else the CPU), cpu, cuda, cuda:N
     gpu_strategy: str = "round-robin"  # round-robin: workers spread over GPUs; single: all on one GPU
     num_gpus: int | None = None  # GPUs to spread workers over (default: all visible ones)
     threads_per_worker: int = 0  # torch threads per worker (0 = usable cores / num_workers)
@@ -690,10 +690,12 @@ def member_workers(run, args_for, name: str = "worker") -> Supervisor:
         on_give_up="worker", logger=run.log))
 
 
-def worker_devices(cfg) -> list[str]:
+def worker_devices(cfg, observation_space) -> list[str]:
     """Each of this rank's workers' device: worker i on cuda:(i mod G) with --gpu-strategy round-robin (G =
-    --num-gpus or every visible GPU), all on one GPU with single or an explicit cuda:N, CPU without CUDA."""
-    return assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus)
+    --num-gpus or every visible GPU), all on one GPU with single or an explicit cuda:N, CPU without CUDA.
+    ``auto`` uses the GPUs for a CNN policy (image observations) only: MLP policies train faster on the CPU."""
+    return assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus,
+                          gpu_pays=not rollout.acts_in_numpy(observation_space))
 
 
 def population(run):
@@ -713,7 +715,7 @@ class Population:
         members = cfg.num_workers * run.dist.world_size
         self.status = [WorkerStatus(rank=m // cfg.num_workers, hyper=h)
                        for m, h in enumerate(worker_hyperparams(cfg, members, cfg.seed))]
-        self.devices = worker_devices(cfg)
+        self.devices = worker_devices(cfg, run.env.observation_space)
         self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         # The target is each worker's own (independent agents are judged one by one), never the population's.
         self.target, run.target_return = run.target_return, None
@@ -1041,7 +1043,7 @@ class PopulationNode:
         self.data, self.data_specs = share_market_data(run)
         self.first = run.dist.rank * cfg.num_workers
         self.hyper = worker_hyperparams(cfg, cfg.num_workers * run.dist.world_size, cfg.seed)
-        self.devices = worker_devices(cfg)
+        self.devices = worker_devices(cfg, run.env.observation_space)
         self.threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         self.target, run.target_return = run.target_return, None
         run.counters.update(global_step=0, episodes=0, updates=0)  # this node's own, for its last log lines

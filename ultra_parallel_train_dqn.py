@@ -99,7 +99,7 @@ class Config(RunConfig):
     prioritized: bool = False  # proportional prioritized replay (priorities computed by actors on insertion)
     per_alpha: float = 0.6  # how strongly priorities skew sampling
     per_beta: float = 0.4  # importance-sampling correction at the start, annealed to 1 over the run
-    mixed_precision: str = "auto"  # auto (fp16 + GradScaler on CUDA, off on CPU), bf16, fp16 (CUDA), off
+    mixed_precision: str = "auto"  # auto (fp32, measured fastest for these networks), bf16, fp16 (CUDA), off
     weight_poll_steps: int = 1  # actors check for new weights every this many vector steps
     replay_backend: str = "auto"  # auto (shared memory, else messages to the learner), shm, queue (messages)
     ship_interval_s: float = 0.05  # under torchrun: seconds between an actor rank's batches to rank 0 (and new weights)

@@ -499,15 +499,23 @@ def three_gpus(monkeypatch):
 
 def test_workers_are_placed_on_the_documented_gpus(three_gpus, capsys):
     """--gpu-strategy round-robin puts worker i on cuda:(i mod G), G = --num-gpus or every GPU; single or
-    an explicit cuda:N puts every worker on one GPU; --device cpu keeps them all on the CPU."""
+    an explicit cuda:N puts every worker on one GPU; --device cpu keeps them all on the CPU. auto uses the
+    GPUs for image observations (a CNN policy) and keeps MLP policies on the CPU."""
+    import gymnasium as gym
+
     from common.config import parse_args
     from common.run import FlatConfig
 
-    def devices(*flags):
+    frames = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    vectors = gym.spaces.Box(-1.0, 1.0, (8,), np.float32)
+
+    def devices(*flags, observations=frames):
         groups, _ = parse_args(tpm.CONFIG_GROUPS, ["--num-workers", "5", *flags], exit_on_error=False)
-        return tpm.worker_devices(FlatConfig(groups))
+        return tpm.worker_devices(FlatConfig(groups), observations)
 
     assert devices() == devices("--device", "cuda") == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
+    assert devices(observations=vectors) == ["cpu"] * 5
+    assert devices("--device", "cuda", observations=vectors) == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
     assert devices("--num-gpus", "2") == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     assert devices("--gpu-strategy", "single") == ["cuda:0"] * 5
     assert devices("--device", "cuda:2") == devices("--device", "cuda:2", "--gpu-strategy", "single") == ["cuda:2"] * 5
