@@ -78,9 +78,9 @@ from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_t
 from common.system import assign_devices, format_bytes, shm_shortfall, threads_per_process
 
 # Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch, checkpoints, envs_lib, market, networks, optim, ppo, rollout = map(lazy_import, (
-    "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.optim", "common.ppo",
-    "common.rollout"))
+torch, checkpoints, envs_lib, market, networks, numpy_ppo, optim, ppo, rollout = map(lazy_import, (
+    "torch", "common.checkpoint", "common.envs", "common.envs.market", "common.networks", "common.numpy_ppo",
+    "common.optim", "common.ppo", "common.rollout"))
 
 PER_WORKER = ("learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef")  # may differ between workers
 
@@ -209,6 +209,7 @@ class TrainKwargs(RunConfig):
     gpu_strategy: str = "round-robin"  # round-robin: workers spread over GPUs; single: all on one GPU
     num_gpus: int | None = None  # GPUs to spread workers over (default: all visible ones)
     threads_per_worker: int = 0  # torch threads per worker (0 = usable cores / num_workers)
+    learner: str = "auto"  # auto (numpy for an MLP policy on the CPU, else torch), numpy or torch
     stop_timeout_s: float = 30.0  # on Ctrl+C or the duration's end, how long workers get to save (and evaluate)
     pbt_interval: int = 0  # population-based training every this many steps (0 = off)
     pbt_fraction: float = 0.25  # PBT: the weakest fraction copies one of the strongest fraction
@@ -222,6 +223,7 @@ class TrainKwargs(RunConfig):
         require(0 < self.pbt_fraction <= 0.5, "pbt_fraction", self.pbt_fraction, "must be in (0, 0.5]")
         require(0 <= self.pbt_perturb < 1, "pbt_perturb", self.pbt_perturb, "must be in [0, 1)")
         assign_devices(self.num_workers, self.device, self.gpu_strategy, self.num_gpus)  # GPUs that are not there
+        require(self.learner in ("auto", "numpy", "torch"), "learner", self.learner, "must be auto, numpy or torch")
 
 
 @dataclass
@@ -332,11 +334,27 @@ class Agent:
                                           **split_kwargs(setup.env_kwargs, "train", data, setup.item_indices))
         obs_space, action_space = self.envs.single_observation_space, self.envs.single_action_space
         self.device = torch.device(setup.device)
-        self.learner = networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes), cfg.activation,
-                                            cfg.log_std_init).to(self.device)
-        # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
-        self.actor = self.learner if self.device.type == "cpu" else copy.deepcopy(self.learner).cpu()
-        self.optimizer = optim.FusedAdam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
+        seed = cfg.seed + 7919 * self.index
+        # An MLP policy on the CPU learns in numpy (common/numpy_ppo.py, as train_parallel_timed.py's does):
+        # the same network, loss and Adam without torch's per-operation overhead, about twice as fast an
+        # update on the market's 333 inputs. Its checkpoints are the ones the torch learner writes.
+        self.numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and numpy_learner_fits(setup.device, obs_space))
+        if self.numpy:
+            spec = rollout.actor_critic_spec(obs_space, action_space, cfg.hidden_sizes, cfg.activation,
+                                             cfg.log_std_init)
+            self.learner = numpy_ppo.MLPActorCritic(spec, obs_space, action_space, seed=cfg.seed + self.index)
+            self.optimizer = numpy_ppo.Adam(self.learner.params, self.learner.grads, self.learner.shapes,
+                                            lr=self.hyper["learning_rate"], eps=1e-5)
+            self.actor = None  # the rollouts act in numpy from self.learner.params
+            acting = rollout.NumpyActing(obs_space, action_space, cfg.hidden_sizes, cfg.activation,
+                                         lambda: self.learner.params, seed)
+        else:
+            self.learner = networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes), cfg.activation,
+                                                cfg.log_std_init).to(self.device)
+            # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
+            self.actor = self.learner if self.device.type == "cpu" else copy.deepcopy(self.learner).cpu()
+            self.optimizer = optim.FusedAdam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
+            acting = ppo.acting_for(self.actor, seed)
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0, "pbt_exploits": 0,
                          "recent_returns": []}
         self.normalizer = rollout.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])
@@ -346,13 +364,13 @@ class Agent:
         layout = rollout.rollout_layout(cfg.n_steps, n, obs_space, action_space)
         self.buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
         # Each agent is its own learner: its normalization statistics are its own too.
-        self.collector = rollout.RolloutCollector(ppo.acting_for(self.actor, cfg.seed + 7919 * self.index),
-                                                  self.envs, self.buf, slice(None), self.normalizer)
-        self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * self.index + self.counters["updates"])
+        self.collector = rollout.RolloutCollector(acting, self.envs, self.buf, slice(None), self.normalizer)
+        self.generator = torch.Generator().manual_seed(seed + self.counters["updates"])
+        self.rng = np.random.default_rng(seed + self.counters["updates"])  # the numpy learner's minibatches
         self.stop_payload: dict = {}
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])
-        log.info("worker %d: pid %d, device %s, %d envs of %s, hyperparameters %s", self.index, os.getpid(),
-                 self.device, n, cfg.env_id, self.hyper)
+        log.info("worker %d: pid %d, device %s (%s learner), %d envs of %s, hyperparameters %s", self.index,
+                 os.getpid(), self.device, "numpy" if self.numpy else "torch", n, cfg.env_id, self.hyper)
         log.info("worker %d %s", self.index, rollout.describe_rollout(self.buf, obs_space))
 
     # -- checkpoints
@@ -366,7 +384,7 @@ class Agent:
         except (checkpoints.CheckpointError, RuntimeError, ValueError) as err:
             reason = str(err).strip().splitlines()[0][:200]
             raise WorkerConfigError(f"worker {self.index} cannot continue from {path}: {reason}") from None
-        self.actor.load_state_dict(self.learner.state_dict())
+        self.sync_actor()
         self.normalizer.load_state_dict(state)
         self.hyper = dict(state["hyper"])  # PBT may have changed them
         self.normalizer.gamma = self.hyper["gamma"]
@@ -422,21 +440,31 @@ class Agent:
     def update(self) -> dict[str, float] | None:
         cfg, h = self.cfg, self.hyper
         started = time.perf_counter()
-        batch = ppo.rollout_batch(self.buf, h["gamma"], h["gae_lambda"], self.device, self.normalizer)
-        self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old statistics
-        settings = ppo.PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"],
-                                   cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
-        stats = ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.generator)
+        settings = rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"],
+                                       cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
+        if self.numpy:
+            batch = rollout.flat_batch(self.buf, h["gamma"], h["gae_lambda"], self.normalizer)
+            self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old ones
+            stats = numpy_ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.rng)
+            finite = bool(np.isfinite(self.learner.params).all())
+        else:
+            batch = ppo.rollout_batch(self.buf, h["gamma"], h["gae_lambda"], self.device, self.normalizer)
+            self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])
+            stats = ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.generator)
+            finite = all(torch.isfinite(p).all() for p in self.learner.parameters())
         self.counters["updates"] += 1
-        finite = all(torch.isfinite(p).all() for p in self.learner.parameters())
         if not (finite and math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])):
             reason = f"loss became {stats['policy_loss']} at update {self.counters['updates']}"
             self.log.error("worker %d: %s; stopping without saving", self.index, reason)
             self.link.send("diverged", {"reason": reason})
             return None
-        if self.actor is not self.learner:
-            self.actor.load_state_dict(self.learner.state_dict())
+        self.sync_actor()
         return {**stats, "update_ms": 1000 * (time.perf_counter() - started)}
+
+    def sync_actor(self) -> None:
+        """A CPU copy that acts for a GPU learner takes the learner's weights (numpy acting reads them itself)."""
+        if self.actor is not None and self.actor is not self.learner:
+            self.actor.load_state_dict(self.learner.state_dict())
 
     def set_learning_rate(self) -> None:
         """This worker's own rate (PBT may have changed it), annealed over its step budget when anneal_lr is on.
@@ -497,7 +525,7 @@ class Agent:
         donor = checkpoints.load_checkpoint(answer["path"], map_location=self.device, required=("model", "optimizer"))
         self.learner.load_state_dict(donor["model"])
         self.optimizer.load_state_dict(donor["optimizer"])
-        self.actor.load_state_dict(self.learner.state_dict())
+        self.sync_actor()
         self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
         self.hyper = dict(answer["hyper"])
         self.normalizer.gamma = self.hyper["gamma"]
@@ -547,7 +575,8 @@ class Agent:
         cfg = self.cfg
         envs = envs_lib.make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                                      **split_kwargs(self.setup.env_kwargs, "eval", self.data, self.setup.item_indices))
-        policy = policy_actions(self.actor, envs.single_action_space, cfg.eval_deterministic, self.normalizer)
+        policy = policy_actions(self.acting_network(), envs.single_action_space, cfg.eval_deterministic,
+                                self.normalizer)
 
         def act(obs: np.ndarray, masks) -> np.ndarray:
             # Evaluation episodes can be long (a greedy Atari policy that never serves plays on until the
@@ -556,6 +585,14 @@ class Agent:
             return policy(obs, masks)
 
         return evaluate(envs, act, cfg.eval_episodes, cfg.eval_seed, stop=self.out_of_time)
+
+    def acting_network(self):
+        """The torch network evaluation plays with: the actor, or the numpy learner's weights in an ActorCritic."""
+        if self.actor is not None:
+            return self.actor
+        network = networks.build_network(self.learner.spec)
+        network.load_state_dict({name: torch.from_numpy(value) for name, value in self.learner.state_dict().items()})
+        return network
 
     def out_of_time(self) -> bool:
         """Past the stop order's ``report_by`` (a stop may also come while a worker done by itself evaluates)."""
@@ -688,6 +725,18 @@ def member_workers(run, args_for, name: str = "worker") -> Supervisor:
         population_worker, cfg.num_workers, args_for, name=name, max_restarts=cfg.max_worker_restarts,
         start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s,
         on_give_up="worker", logger=run.log))
+
+
+def numpy_learner_fits(device: str, observation_space) -> bool:
+    return device == "cpu" and rollout.acts_in_numpy(observation_space)
+
+
+def check_learner(cfg, env) -> None:
+    """Refuse ``--learner numpy`` where a worker could not learn with it, before anything is written (exit 2)."""
+    if cfg.learner == "numpy" and not all(numpy_learner_fits(device, env.observation_space)
+                                          for device in worker_devices(cfg, env.observation_space)):
+        raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU; "
+                          "use torch or auto for images or a GPU")
 
 
 def worker_devices(cfg, observation_space) -> list[str]:
@@ -1167,6 +1216,7 @@ def probe(cfg) -> EnvInfo:
 
 MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__doc__.split("\n\n")[0],
             probe=probe, env_kwargs=market_kwargs, checkpoint_pattern=r"population\.pt", resume_requires=("counters",),
+            check=check_learner,
             metrics_columns=["worker", "worker_step", "worker_sps", "worker_cpu_sps", "learning_rate",
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
                              "update_ms", "workers_running"],

@@ -1,7 +1,8 @@
 """Benchmarks for train_ppo_multiprocess.py; prints a table (and optionally writes it as Markdown).
 
 1. Throughput: aggregate env steps/s of the population with 1 and with 2 workers, one torch
-   thread each, so that 2 workers on 2 cores should approach twice the 1-worker rate. The
+   thread each, so that 2 workers on 2 cores should approach twice the 1-worker rate; with each
+   learner of ``--learners`` (numpy, the default for an MLP on the CPU, and torch). The
    rate of a worker is its steps divided by its training time (from its first rollout to its
    last update, as its last row in metrics.csv says); process start-up is reported apart.
    On a machine shared with other work the wall-clock ratio says more about the others than
@@ -17,7 +18,7 @@
    shared memory, which is what the coordinator does at start-up).
 
     python benchmarks/bench_ppo_multiprocess.py                       # everything (~3 min on 2 cores)
-    python benchmarks/bench_ppo_multiprocess.py --only throughput --steps 65536
+    python benchmarks/bench_ppo_multiprocess.py --only throughput --steps 65536 --learners numpy torch
     python benchmarks/bench_ppo_multiprocess.py --markdown benchmarks/results/ppo_multiprocess.md
 """
 
@@ -82,24 +83,28 @@ def worker_rates(out: Path, workers: int, column: str = "worker_sps") -> list[fl
     return [last[str(i)] for i in range(workers)]
 
 
-def bench_throughput(work: Path, steps: int, cache_dir: Path) -> list[list[str]]:
-    rows, base, cpu_base = [], None, None
-    for workers in (1, 2):
-        out = work / f"throughput_{workers}"
-        result = run_training(out, "--num-workers", str(workers), "--threads-per-worker", "1",
-                              "--max-steps-per-worker", str(steps), "--checkpoint-every", str(10 * steps),
-                              "--cache-dir", str(cache_dir), "--num-items", "200", "--history-steps", "20000")
-        rates = worker_rates(out, workers)
-        total = sum(rates)
-        base = base or total
-        rows.append([f"{workers} worker(s), 1 thread each", f"{total:,.0f} steps/s",
-                     f"{total / base:.2f}x", f"per worker {', '.join(f'{r:,.0f}' for r in rates)}; "
-                     f"{workers * steps:,} steps, wall {result['wall_s']:.1f} s incl. start-up; load {load_average()}"])
-        cpu_total = sum(worker_rates(out, workers, "worker_cpu_sps"))
-        cpu_base = cpu_base or cpu_total
-        rows.append([f"{workers} worker(s), per CPU-second", f"{cpu_total:,.0f} steps/s",
-                     f"{cpu_total / cpu_base:.2f}x",
-                     "sum of each worker's steps per second of its own CPU time: the rate with a free core each"])
+def bench_throughput(work: Path, steps: int, cache_dir: Path, learners: list[str]) -> list[list[str]]:
+    rows = []
+    for learner in learners:
+        base = cpu_base = None
+        for workers in (1, 2):
+            out = work / f"throughput_{learner}_{workers}"
+            result = run_training(out, "--num-workers", str(workers), "--threads-per-worker", "1",
+                                  "--max-steps-per-worker", str(steps), "--checkpoint-every", str(10 * steps),
+                                  "--cache-dir", str(cache_dir), "--num-items", "200", "--history-steps", "20000",
+                                  "--learner", learner)
+            rates = worker_rates(out, workers)
+            total = sum(rates)
+            base = base or total
+            rows.append([f"{learner} learner, {workers} worker(s), 1 thread each", f"{total:,.0f} steps/s",
+                         f"{total / base:.2f}x", f"per worker {', '.join(f'{r:,.0f}' for r in rates)}; "
+                         f"{workers * steps:,} steps, wall {result['wall_s']:.1f} s incl. start-up; "
+                         f"load {load_average()}"])
+            cpu_total = sum(worker_rates(out, workers, "worker_cpu_sps"))
+            cpu_base = cpu_base or cpu_total
+            rows.append([f"{learner} learner, {workers} worker(s), per CPU-second", f"{cpu_total:,.0f} steps/s",
+                         f"{cpu_total / cpu_base:.2f}x",
+                         "sum of each worker's steps per second of its own CPU time: the rate with a free core each"])
     return rows
 
 
@@ -164,6 +169,8 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=8192, help="steps per worker in the memory runs")
     parser.add_argument("--keep-cache", action="store_true", help="keep the big cache in runs/cache/bench")
     parser.add_argument("--markdown", type=Path, help="also append the table to this Markdown file")
+    parser.add_argument("--learners", nargs="+", choices=["numpy", "torch"], default=["numpy", "torch"],
+                        help="the throughput runs' learners, each with 1 and 2 workers")
     args = parser.parse_args()
 
     big_cache = ROOT / "runs" / "cache" / "bench"
@@ -174,7 +181,7 @@ def main() -> None:
         if args.only in (None, "cache"):
             rows += bench_cache(big_cache, args.cache_items, args.cache_history)
         if args.only in (None, "throughput"):
-            rows += bench_throughput(work, args.steps, work / "cache")
+            rows += bench_throughput(work, args.steps, work / "cache", args.learners)
         if args.only in (None, "memory"):
             rows += bench_memory(work, big_cache, args.cache_items, args.cache_history, args.memory_steps)
     if not args.keep_cache:

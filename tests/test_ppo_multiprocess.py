@@ -247,6 +247,8 @@ def test_what_cannot_run_is_refused_before_writing(tmp_path, capsys):
         [*small, "--rollout-steps", "100"], capsys)
     assert "--batch-size 100: must divide the rollout" in fails([*small, "--batch-size", "100"], capsys)
     assert "observation space Discrete(16) is not a Box" in fails([*small, "--env-id", "FrozenLake-v1"], capsys)
+    assert "numpy learns an MLP policy (vector observations) on the CPU" in fails(
+        [*small, "--env-id", "Catch-v0", "--learner", "numpy"], capsys)
     _, info = load_market_data("synthetic", tmp_path / "cache", 5, 800, 0)  # a corrupt cache file: how to recover
     prices = Path(info["path"]) / "prices.npy"
     prices.write_bytes(prices.read_bytes()[:64])
@@ -355,11 +357,17 @@ def tiny_agent(tmp_path, link, member=0, **settings):
     return tpm.Agent(link, setup, None, logging.getLogger(f"prl.test.worker{member}"))
 
 
-def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_hyperparameters(tmp_path):
+@pytest.mark.parametrize("donor_learner, learner", [("numpy", "numpy"), ("torch", "torch"), ("numpy", "torch"),
+                                                    ("torch", "numpy")])
+def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_hyperparameters(tmp_path, donor_learner,
+                                                                                               learner):
     """The exploit/explore step as documented: the copier loads the donor's checkpoint of that step (weights,
     optimizer state, normalization statistics), takes the donor's hyperparameters each scaled by 1 +- pbt_perturb
-    (gamma and gae_lambda on their 1 - x scale, capped at 0.9999) and empties its window of recent returns."""
-    donor = tiny_agent(tmp_path, ScriptedLink(), member=1, norm_obs=True, gamma=[0.9, 0.9999])
+    (gamma and gae_lambda on their 1 - x scale, capped at 0.9999) and empties its window of recent returns.
+    With either learner, across learners too: the numpy one (auto's choice for an MLP on the CPU) writes and
+    loads the torch learner's checkpoints."""
+    donor = tiny_agent(tmp_path, ScriptedLink(), member=1, norm_obs=True, gamma=[0.9, 0.9999], learner=donor_learner)
+    assert donor.numpy == (donor_learner == "numpy")
     donor.collector.next_obs = donor.envs.reset()
     donor.collector.collect(16)
     donor.update()
@@ -375,15 +383,15 @@ def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_
     offer = offers[0]
     link = ScriptedLink([("pbt", {"step": 32, "donor": 1, "donor_score": 20.0, "path": str(donor_path),
                                   "hyper": offer})])
-    copier = tiny_agent(tmp_path, link, member=0, norm_obs=True, gamma=[0.9, 0.9999])
+    copier = tiny_agent(tmp_path, link, member=0, norm_obs=True, gamma=[0.9, 0.9999], learner=learner)
     copier.counters["global_step"] = 32
     copier.recent.extend([5.0, 6.0])
     copier.pbt_step(None)
     assert link.kinds() == ["pbt_ready", "pbt_copied"]
     for mine, theirs in zip(copier.learner.state_dict().values(), donor.learner.state_dict().values()):
-        assert torch.equal(mine, theirs)
-    assert torch.equal(copier.optimizer.state_dict()["state"][0]["exp_avg"],
-                       donor.optimizer.state_dict()["state"][0]["exp_avg"])
+        assert np.array_equal(np.asarray(mine), np.asarray(theirs))
+    assert np.array_equal(np.asarray(copier.optimizer.state_dict()["state"][0]["exp_avg"]),
+                          np.asarray(donor.optimizer.state_dict()["state"][0]["exp_avg"]))
     mine, theirs = copier.normalizer.state_dict()["obs_norm"], donor.normalizer.state_dict()["obs_norm"]
     assert theirs["count"] > 1 and all(np.array_equal(mine[k], theirs[k]) for k in theirs)
     assert copier.hyper == offer and copier.normalizer.gamma == offer["gamma"] and offer["gamma"] <= 0.9999
