@@ -315,7 +315,7 @@ def ppo_settings(cfg: Config):
 
 
 def numpy_learner_fits(cfg: Config, observation_space, world_size: int) -> bool:
-    return rollout.acts_in_numpy(observation_space) and resolve_device(cfg.device) == "cpu" and world_size == 1
+    return rollout.numpy_learner_fits(resolve_device(cfg.device), observation_space) and world_size == 1
 
 
 def check_learner(cfg: Config, env) -> None:
@@ -388,8 +388,8 @@ class TorchLearner:
         networks.write_flat_params(self.agent, out)
 
     def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        tensors = {key: torch.as_tensor(array).to(self.device) for key, array in batch.items()}
-        return ppo.ppo_update(self.agent, self.optimizer, tensors, self.settings, self.generator, self.grad_hook)
+        return ppo.ppo_update(self.agent, self.optimizer, ppo.as_tensors(batch, self.device), self.settings,
+                              self.generator, self.grad_hook)
 
     def state_dict(self) -> dict:
         return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}

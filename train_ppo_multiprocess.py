@@ -338,7 +338,8 @@ class Agent:
         # An MLP policy on the CPU learns in numpy (common/numpy_ppo.py, as train_parallel_timed.py's does):
         # the same network, loss and Adam without torch's per-operation overhead, about twice as fast an
         # update on the market's 333 inputs. Its checkpoints are the ones the torch learner writes.
-        self.numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and numpy_learner_fits(setup.device, obs_space))
+        self.numpy = cfg.learner == "numpy" or (cfg.learner == "auto"
+                                                and rollout.numpy_learner_fits(setup.device, obs_space))
         if self.numpy:
             spec = rollout.actor_critic_spec(obs_space, action_space, cfg.hidden_sizes, cfg.activation,
                                              cfg.log_std_init)
@@ -442,15 +443,14 @@ class Agent:
         started = time.perf_counter()
         settings = rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"],
                                        cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
+        batch = rollout.flat_batch(self.buf, h["gamma"], h["gae_lambda"], self.normalizer)
+        self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old statistics
         if self.numpy:
-            batch = rollout.flat_batch(self.buf, h["gamma"], h["gae_lambda"], self.normalizer)
-            self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old ones
             stats = numpy_ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.rng)
             finite = bool(np.isfinite(self.learner.params).all())
         else:
-            batch = ppo.rollout_batch(self.buf, h["gamma"], h["gae_lambda"], self.device, self.normalizer)
-            self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])
-            stats = ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.generator)
+            stats = ppo.ppo_update(self.learner, self.optimizer, ppo.as_tensors(batch, self.device), settings,
+                                   self.generator)
             finite = all(torch.isfinite(p).all() for p in self.learner.parameters())
         self.counters["updates"] += 1
         if not (finite and math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])):
@@ -727,13 +727,9 @@ def member_workers(run, args_for, name: str = "worker") -> Supervisor:
         on_give_up="worker", logger=run.log))
 
 
-def numpy_learner_fits(device: str, observation_space) -> bool:
-    return device == "cpu" and rollout.acts_in_numpy(observation_space)
-
-
 def check_learner(cfg, env) -> None:
     """Refuse ``--learner numpy`` where a worker could not learn with it, before anything is written (exit 2)."""
-    if cfg.learner == "numpy" and not all(numpy_learner_fits(device, env.observation_space)
+    if cfg.learner == "numpy" and not all(rollout.numpy_learner_fits(device, env.observation_space)
                                           for device in worker_devices(cfg, env.observation_space)):
         raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU; "
                           "use torch or auto for images or a GPU")

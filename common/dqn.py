@@ -91,13 +91,12 @@ def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
         t_param.lerp_(s_param, tau)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+def resolve_precision(precision: str) -> str:
     """``auto``: full precision, on the CPU (where bf16 rarely pays) and on CUDA alike. On an H200 an update
     of the Nature CNN took 4.5 ms in fp32 against 6.3 ms in fp16 with a GradScaler and 5.6 ms in bf16 at
     batch 32, and 7.5 against 8.8 and 9.0 ms at batch 256 (benchmarks/bench_gpu.py): networks this small
     are bound by kernel launches and host syncs, which autocast's casts and the scaler's checks add to.
     bf16 and fp16 stay a choice for larger networks and batches."""
-    del device  # the same answer on every device today; the signature keeps the choice per device
     return "off" if precision == "auto" else precision
 
 
@@ -111,7 +110,7 @@ class DQNLearner:
         self.target_net = copy.deepcopy(self.q_net).requires_grad_(False)
         self.max_grad_norm, self.grad_accum_steps = max_grad_norm, grad_accum_steps
         self.target_update_interval, self.tau = target_update_interval, tau
-        self.precision = resolve_precision(precision, device)
+        self.precision = resolve_precision(precision)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")

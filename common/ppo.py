@@ -1,8 +1,8 @@
 """The PPO pieces shared by the two PPO scripts that need torch: acting with a torch network, GAE and
 the clipped-surrogate update.
 
-A rollout (``common.rollout``: its arrays and the collector that fills them, GAE, without torch) is
-turned by :func:`rollout_batch` into the flat batch :func:`ppo_update` learns from.
+A rollout (``common.rollout``: its arrays and the collector that fills them, GAE and the flat batch,
+without torch) reaches :func:`ppo_update` through :func:`as_tensors`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from common import networks
-from common.normalize import Normalizer
-from common.rollout import NumpyActing, PPOSettings, flat_batch
+from common.rollout import NumpyActing, PPOSettings
 
 
 class TorchActing:
@@ -61,11 +60,9 @@ def acting_for(agent, seed: int):
                        params, seed)
 
 
-def rollout_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float, device,
-                  normalizer: Normalizer) -> dict[str, torch.Tensor]:
-    """:func:`common.rollout.flat_batch` as tensors on ``device``."""
-    return {key: torch.as_tensor(array).to(device)
-            for key, array in flat_batch(buf, gamma, gae_lambda, normalizer).items()}
+def as_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    """A flat numpy batch (:func:`common.rollout.flat_batch`) as tensors on ``device``."""
+    return {key: torch.as_tensor(array).to(device) for key, array in batch.items()}
 
 
 def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],

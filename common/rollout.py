@@ -94,6 +94,11 @@ def acts_in_numpy(observation_space) -> bool:
     return not is_image(observation_space)
 
 
+def numpy_learner_fits(device: str, observation_space) -> bool:
+    """Whether common/numpy_ppo.py can learn this policy on ``device``: an MLP (vector observations) on the CPU."""
+    return device == "cpu" and acts_in_numpy(observation_space)
+
+
 def actor_critic_shapes(observation_space, action_space, hidden) -> list[tuple[int, ...]]:
     """The shapes of ``ActorCritic``'s parameters for a vector observation, in ``parameters()`` order
     (the order of a flat parameter vector): the log-std of Box actions (a parameter of the module itself
