@@ -7,9 +7,11 @@ parameters through shared memory, and the next rollout starts. ``--num-workers 0
 the very same rollout code in the main process: the sequential baseline.
 
 ``--async-training`` overlaps the two: the workers collect rollout k+1 while the learner
-runs update k on rollout k, with the parameters the learner had when rollout k came in
-(one update behind, as Sample Factory's APPO and IMPALA). The PPO ratio is taken against
-the log-probabilities the workers stored, so the lag is accounted for.
+runs update k on rollout k. They start it with the parameters the learner had when rollout k
+came in and take up new ones at their next step whenever the learner publishes them, after
+every epoch of the update (as Sample Factory's actors do), so a rollout is a fraction of an
+update behind (``policy_lag`` in metrics.csv). The update is then decoupled PPO: the ratio is
+clipped around the learner's own policy, and importance weights carry the lag.
 
 Started by ``torchrun``, every rank does the above with its own workers and the
 gradients are averaged across ranks before every optimizer step (DD-PPO).
@@ -27,6 +29,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +38,7 @@ from common.config import ConfigError, require, to_dict
 from common.lazy import lazy_import
 from common.normalize import NormalizationSettings
 from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
-from common.shm import SharedArrays, attach_all
+from common.shm import Seqlock, SharedArrays, attach_all
 from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
 
@@ -76,9 +79,9 @@ class Config(RunConfig, NormalizationSettings):
     device: str = "cpu"  # learner device: auto, cpu, cuda, cuda:N (small MLPs are fastest on CPU)
     # numpy updates an MLP policy on the CPU 1.5-2.2x faster than torch, without importing it (docs/performance.md)
     learner: str = "auto"  # auto (numpy for an MLP policy on the CPU outside torchrun, else torch), numpy or torch
-    # Workers collect the next rollout (acting one update behind) while the learner updates; needs workers. Off by
-    # default: LunarLander needed 2.6x the steps to its target overlapped (docs/performance.md).
-    async_training: bool = False  # collect while learning, one update behind
+    # Workers collect the next rollout while the learner updates, taking up its parameters after every epoch; needs
+    # workers. Off by default: on 2 cores it does not reach LunarLander's target sooner (docs/performance.md).
+    async_training: bool = False  # collect while learning (a decoupled PPO update)
 
     MIN_WORKERS = 0
 
@@ -106,22 +109,25 @@ class Config(RunConfig, NormalizationSettings):
 # main process, so the sequential baseline measures exactly the same code.
 #
 # Shared memory holds the rollout (two with --async-training: the workers fill one while the
-# learner learns from the other) and the snapshot the learner publishes for every rollout: the
-# parameters, the normalization statistics and a version number. The learner writes the
-# snapshot only while every worker is between rollouts (it holds all of one rollout and has not
-# asked for the next yet), so one copy of the snapshot is enough, in either form.
+# learner learns from the other), the parameters and the normalization statistics. The learner
+# publishes its parameters after every epoch of every update, under a seqlock (common.shm.Seqlock)
+# whose version counts them; workers take up a new version at their next step, so an overlapped
+# rollout acts with parameters at most one update old, and fresher with every epoch (Sample
+# Factory's actors, too, take up new weights as soon as they exist). The statistics are a rollout's
+# own: the learner writes them only while every worker is between rollouts, as the snapshot of the
+# rollout it asks for next.
 
 def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, num_params: int,
                    norm_size: int) -> None:
     """Allocate the shared rollouts, ``rollout<slot>_<key>`` of ``[n_steps, envs, ...]`` (each worker
-    owns a column slice), and the snapshot: ``params``, ``norm`` and ``snapshot_version``."""
+    owns a column slice), the parameters (``params``, ``params_versions``: a seqlock) and ``norm``."""
     layout = rollout.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
     for slot in range(2 if cfg.async_training else 1):
         for key, (shape, dtype) in layout.items():
             arrays.create(f"rollout{slot}_{key}", shape, dtype)
-    arrays.create("params", (num_params,), np.float32)
+    arrays.create("params", (1, num_params), np.float32)
+    arrays.create("params_versions", (1, 2), np.int64)
     arrays.create("norm", (norm_size,), np.float64)
-    arrays.create("snapshot_version", (1,), np.int64)
 
 
 def policy_size(cfg: Config, obs_space, action_space) -> int:
@@ -143,48 +149,50 @@ def split_rollouts(shared: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What the learner published for one rollout: its version and the normalization statistics
-    (flat, as ``Normalizer.publish`` writes them), with their digest."""
+    """What the learner published for one rollout: the version of its parameters then and the
+    normalization statistics (flat, as ``Normalizer.publish`` writes them), with their digest."""
 
     version: int
     norm: np.ndarray
     digest: str
 
 
+def shared_params(shared: dict[str, np.ndarray]) -> Seqlock:
+    return Seqlock(shared["params"], shared["params_versions"])
+
+
 def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int, seed: int,
                    shared: dict[str, np.ndarray], learner=None):
-    """A rollout collector over ``envs`` filling their columns of ``buf``, acting with the parameters the
-    learner publishes in ``shared`` (or with ``learner`` itself, when it is a CPU network in this process).
+    """A rollout collector over ``envs`` filling their columns of ``buf``, acting with the newest parameters
+    the learner published in ``shared`` (or with ``learner`` itself, when it is a CPU network in this process).
 
     An MLP policy acts in numpy, so a worker process of one never imports torch (a second or more of
     its start-up); an image policy acts with a torch network."""
     spaces = envs.single_observation_space, envs.single_action_space
     cols = slice(first_env, first_env + envs.num_envs)
-
-    def published() -> np.ndarray:
-        return shared["params"]
-
+    published = rollout.PublishedParams(shared_params(shared))
     if rollout.acts_in_numpy(spaces[0]):
         acting = rollout.NumpyActing(*spaces, cfg.hidden_sizes, cfg.activation, published, seed)
     elif learner is not None:
-        acting = ppo.TorchActing(learner)
+        acting, published = ppo.TorchActing(learner), None
     else:
         agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
         acting = ppo.TorchActing(agent, published)
-    return rollout.RolloutCollector(acting, envs, buf, cols, rollout.make_normalizer(cfg, *spaces))
+    return rollout.RolloutCollector(acting, envs, buf, cols, rollout.make_normalizer(cfg, *spaces), published)
 
 
 def collect_published(collector, shared: dict[str, np.ndarray], into: dict[str, np.ndarray],
                       n_steps: int) -> tuple[list[dict], dict]:
     """One rollout into the rollout ``into`` with the snapshot the learner published. Also returns what the
-    learner checks (the snapshot's version, a digest of the statistics used) and when the rollout ran."""
-    version = int(shared["snapshot_version"][0])
+    learner checks (the first version of the parameters that acted, a digest of the statistics used), the
+    steps acted with each version of the parameters, and when the rollout ran."""
     collector.normalizer.read(shared["norm"])
     collector.buf = into
     started = time.time()
     episodes = collector.collect(n_steps)
-    return episodes, {"version": version, "norm_digest": collector.normalizer.digest(), "started": started,
-                      "ended": time.time()}
+    versions = dict(collector.steps_by_version)
+    return episodes, {"version": min(versions, default=0), "steps_by_version": versions,
+                      "norm_digest": collector.normalizer.digest(), "started": started, "ended": time.time()}
 
 
 def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_env: int, seed: int) -> None:
@@ -237,19 +245,19 @@ class InProcessCollector:
     def start(self, slot: int, snapshot: Snapshot) -> None:
         pass  # the rollout runs in wait(), in the one slot there is
 
-    def wait(self) -> tuple[list[dict], float] | None:
-        """The finished episodes of one rollout and the seconds it took."""
+    def wait(self) -> tuple[list[dict], float, dict[int, int]] | None:
+        """The finished episodes of one rollout, the seconds it took and its steps by parameter version."""
         self.run.budget.mark_first_step()
         episodes, report = collect_published(self.collector, self.shared, self.rollout, self.cfg.n_steps)
-        return episodes, report["ended"] - report["started"]
+        return episodes, report["ended"] - report["started"], report["steps_by_version"]
 
 
 class WorkerCollector:
     """``num_workers`` processes, each filling its own columns of the shared rollout.
 
     A worker that dies is reported and restarted by the supervisor; its share of the rollout
-    is then collected again, with the same snapshot (the learner publishes the next one only
-    once it holds the whole rollout).
+    is then collected again, with the same statistics (the learner publishes the next ones only
+    once it holds the whole rollout) and the newest parameters.
     """
 
     def __init__(self, run, arrays: SharedArrays, seed: int):
@@ -274,10 +282,10 @@ class WorkerCollector:
         for index in self.pending:
             self.supervisor.send(index, "collect", slot)
 
-    def wait(self) -> tuple[list[dict], float] | None:
-        """The finished episodes of the rollout started last and the seconds it took (the workers' clocks),
-        or None if a stop was requested meanwhile."""
-        episodes, spans = [], []
+    def wait(self) -> tuple[list[dict], float, dict[int, int]] | None:
+        """The finished episodes of the rollout started last, the seconds it took (the workers' clocks) and its
+        steps by parameter version, or None if a stop was requested meanwhile."""
+        episodes, spans, versions = [], [], Counter()
         while self.pending:
             if self.run.graceful.requested:
                 return None
@@ -287,18 +295,20 @@ class WorkerCollector:
                     self.run.budget.mark_first_step(message.payload["started"])
                     episodes.extend(message.payload["episodes"])
                     spans.append((message.payload["started"], message.payload["ended"]))
+                    versions.update(message.payload["steps_by_version"])
                     self.pending.discard(message.index)
                 elif message.kind == "restarted" and message.index in self.pending:
                     self.supervisor.send(message.index, "collect", self.slot)  # redo its share, same snapshot
-        return episodes, max(end for _, end in spans) - min(start for start, _ in spans)
+        return episodes, max(end for _, end in spans) - min(start for start, _ in spans), dict(versions)
 
     def check(self, message) -> None:
-        """The worker filled the rollout asked for, acting with the snapshot published for it."""
+        """The worker filled the rollout asked for, with the statistics published for it and parameters no
+        older than those published then (newer ones may arrive while it collects)."""
         got, want = message.payload, self.snapshot
-        if (got["slot"], got["version"], got["norm_digest"]) != (self.slot, want.version, want.digest):
+        if (got["slot"], got["norm_digest"]) != (self.slot, want.digest) or got["version"] < want.version:
             raise RuntimeError(
-                f"worker {message.index} filled rollout {got['slot']} acting with snapshot {got['version']} "
-                f"(statistics {got['norm_digest']}), but the learner published snapshot {want.version} "
+                f"worker {message.index} filled rollout {got['slot']} acting with parameters {got['version']} "
+                f"(statistics {got['norm_digest']}), but the learner published parameters {want.version} "
                 f"(statistics {want.digest}) for rollout {self.slot}")
 
 
@@ -310,8 +320,9 @@ class WorkerCollector:
 # checkpoint, so a run can resume with either.
 
 def ppo_settings(cfg: Config):
+    # Overlapped, a rollout was collected partly by the policy of the update before: a decoupled update.
     return rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
-                               cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
+                               cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl, decoupled=cfg.async_training)
 
 
 def numpy_learner_fits(cfg: Config, observation_space, world_size: int) -> bool:
@@ -344,8 +355,8 @@ class NumpyLearner:
     def publish(self, out: np.ndarray) -> None:
         out[:] = self.model.params
 
-    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        return numpy_ppo.ppo_update(self.model, self.optimizer, batch, self.settings, self.rng)
+    def update(self, batch: dict[str, np.ndarray], after_epoch) -> dict[str, float]:
+        return numpy_ppo.ppo_update(self.model, self.optimizer, batch, self.settings, self.rng, after_epoch)
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.model.spec}
@@ -387,9 +398,9 @@ class TorchLearner:
     def publish(self, out: np.ndarray) -> None:
         networks.write_flat_params(self.agent, out)
 
-    def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    def update(self, batch: dict[str, np.ndarray], after_epoch) -> dict[str, float]:
         return ppo.ppo_update(self.agent, self.optimizer, ppo.as_tensors(batch, self.device), self.settings,
-                              self.generator, self.grad_hook)
+                              self.generator, self.grad_hook, after_epoch)
 
     def state_dict(self) -> dict:
         return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
@@ -413,7 +424,8 @@ class PPOTrainer:
         rollout_arrays(arrays, cfg, *spaces, policy_size(cfg, *spaces), self.normalizer.size())
         self.shared = {key: arrays[key] for key in arrays.specs()}
         self.rollouts = split_rollouts(self.shared)
-        self.version = 0  # of the last snapshot published
+        self.params = shared_params(self.shared)
+        self.progress: dict[int, float] = {}  # parameter version -> the updates it had, in fractions of one
         run.log.info("%s%s", rollout.describe_rollout(self.rollouts[0], spaces[0]),
                      " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
         seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
@@ -430,6 +442,7 @@ class PPOTrainer:
         self.learner.optimizer.param_groups[0]["lr"] = cfg.learning_rate
         if run.resumed is not None:
             self.normalizer.load_state_dict(run.resumed)
+        self.publish()
         if self.collector is None:
             self.collector = InProcessCollector(run, self.shared, seed, getattr(self.learner, "cpu_agent", None))
         self.learner_name = "numpy" if use_numpy else "torch"
@@ -462,37 +475,50 @@ class PPOTrainer:
             wait_seconds = time.perf_counter() - started
             if self.dist.any_rank(collected is None):
                 return  # a signal arrived during the rollout: skip its update and save
-            episodes, collect_seconds = collected
+            episodes, collect_seconds, steps_by_version = collected
             behaviour, in_flight = in_flight, None
-            if cfg.async_training:  # the next rollout acts with the parameters of the update before this one
+            lag = self.policy_lag(steps_by_version)
+            if cfg.async_training:  # the next rollout starts with these parameters, and takes up each epoch's
                 in_flight = self.request_rollout(1 - slot)
             with run.budget.part("learn"):
                 stats, update_seconds = self.update(self.rollouts[slot], behaviour)
-            self.record(episodes, stats, collect_seconds, update_seconds, wait_seconds)
+            self.record(episodes, {**stats, "policy_lag": lag}, collect_seconds, update_seconds, wait_seconds)
             if run.checkpoint_due():
                 run.save_checkpoint(self.state_dict())
             slot = (slot + 1) % len(self.rollouts)
         # An overlapped run stops with a rollout in flight: its workers finish it and stop; it is not learned.
 
+    def publish(self, epochs: int = 0) -> None:
+        """Publish the parameters, after ``epochs`` epochs of the update in progress (called after every epoch:
+        overlapped, the workers collect with each epoch's parameters from their next step on)."""
+        version = self.params.write(self.learner.publish)
+        self.progress[version] = self.run.counters["updates"] + epochs / self.cfg.n_epochs
+        self.progress.pop(version - 16 * self.cfg.n_epochs, None)  # far older than any rollout in flight
+
+    def policy_lag(self, steps_by_version: dict[int, int]) -> float:
+        """How many updates (in fractions of one) the parameters that collected a rollout were behind the
+        learner's when it starts to learn from it, averaged over the rollout's steps: 0 when synchronous."""
+        now = self.progress[self.params.version()]
+        steps = sum(steps_by_version.values())
+        return sum((now - self.progress[v]) * n for v, n in steps_by_version.items()) / steps if steps else 0.0
+
     def request_rollout(self, slot: int) -> Snapshot:
-        """Publish the parameters and statistics as they are now, and have the rollout in ``slot`` collected
-        with them (workers are between rollouts whenever this runs)."""
-        self.learner.publish(self.shared["params"])
+        """Publish the statistics as they are now, and have the rollout in ``slot`` collected with them and the
+        newest parameters (workers are between rollouts whenever this runs)."""
         self.normalizer.publish(self.shared["norm"])
-        self.version += 1
-        self.shared["snapshot_version"][0] = self.version
-        snapshot = Snapshot(self.version, self.shared["norm"].copy(), self.normalizer.digest())
+        snapshot = Snapshot(self.params.version(), self.shared["norm"].copy(), self.normalizer.digest())
         self.collector.start(slot, snapshot)
         return snapshot
 
     def update(self, filled: dict[str, np.ndarray], behaviour: Snapshot) -> tuple[dict[str, float], float]:
         """GAE and the PPO update on the rollout ``filled``, collected with the snapshot ``behaviour``.
 
-        The PPO ratio is taken against the log-probabilities the rollout stored, and GAE uses
-        the values it stored: both are the behaviour policy's, one update behind the learner in an
-        overlapped run. The rollout keeps neither the observation after its last step nor the final
-        observations at time limits, only their values, so stored values are the ones consistent
-        with those bootstraps (Sample Factory's APPO also bootstraps GAE from the actors' values).
+        GAE uses the values the rollout stored, the behaviour policy's: the rollout keeps neither the
+        observation after its last step nor the final observations at time limits, only their values, so
+        stored values are the ones consistent with those bootstraps (Sample Factory's APPO also bootstraps
+        GAE from the actors' values). Synchronous, the PPO ratio is taken against the log-probabilities the
+        rollout stored. Overlapped, the steps collected before the learner's previous update ended acted with
+        older parameters (``policy_lag``), and the update is decoupled (``common.rollout.PPOSettings``).
         """
         cfg, started = self.cfg, time.perf_counter()
         if cfg.anneal_lr and cfg.total_timesteps:
@@ -503,7 +529,7 @@ class PPOTrainer:
         self.behaviour.read(behaviour.norm)
         batch = rollout.flat_batch(filled, cfg.gamma, cfg.gae_lambda, self.behaviour)
         self.normalizer.update(filled["obs"], filled["disc_returns"], self.dist.total)
-        stats = self.learner.update(batch)
+        stats = self.learner.update(batch, self.publish)
         return stats, time.perf_counter() - started
 
     def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float,
@@ -538,7 +564,7 @@ class PPOTrainer:
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete", "Box"), resume_requires=("model", "optimizer"), distributed=True, check=check_learner,
             metrics_columns=["collect_sps", "learning_rate", "policy_loss", "value_loss", "entropy", "approx_kl",
-                             "clipfrac", "explained_variance", "update_ms", "wait_ms", "allreduce_ms",
+                             "clipfrac", "explained_variance", "policy_lag", "update_ms", "wait_ms", "allreduce_ms",
                              "allreduce_kib", "params_hash", "world_size"])
 
 

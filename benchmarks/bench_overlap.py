@@ -7,7 +7,8 @@
 Every run is a real run of the script in a fresh process, stopped by its target return. Per form
 it reports medians over the seeds: the whole process (start to exit, start-up included), the
 training time to the target and the env steps to it (from metrics.csv: the first row whose mean of
-the last 100 returns reaches the target), the training time per env step (speed apart from sample
+the last 100 returns reaches the target; a seed that never does counts as slower than every seed
+that does, and a median that falls on one reads inf), the training time per env step (speed apart from sample
 efficiency), and where the learner's time went (summary.json's time budget: waiting for rollouts and
 learning); then each seed's steps and time to the target. Every form of one env collects the same rollout size
 (n_steps x envs in total), so steps to target compare the algorithms, not the batch. A markdown
@@ -65,8 +66,9 @@ def bench(title: str, forms: list[tuple[str, list[str]]], target: float, seeds: 
             budget = summary["time_budget"]
             results[label].append({
                 "process_s": process_s, "solved": hit is not None,
-                "train_s": float(hit["wall_time"]) if hit else float("nan"),
-                "steps": int(hit["global_step"]) if hit else float("nan"),
+                # a run that never reaches the target counts as slower than any that does, in the medians
+                "train_s": float(hit["wall_time"]) if hit else float("inf"),
+                "steps": int(hit["global_step"]) if hit else float("inf"),
                 "waiting_s": budget["collect_s"] + budget["wait_s"], "learn_s": budget["learn_s"],
                 "startup_s": budget["startup_s"]})
             print(f"{label}, seed {seed}: {results[label][-1]}", file=sys.stderr, flush=True)
@@ -74,7 +76,7 @@ def bench(title: str, forms: list[tuple[str, list[str]]], target: float, seeds: 
     for label, runs in results.items():
         solved = [r for r in runs if r["solved"]]
         out.append([label, f"{len(solved)}/{len(runs)}", f"{median([r['process_s'] for r in runs]):.2f}",
-                    f"{median([r['train_s'] for r in solved]):.2f}", f"{median([r['steps'] for r in solved]):.0f}",
+                    f"{median([r['train_s'] for r in runs]):.2f}", f"{median([r['steps'] for r in runs]):.0f}",
                     f"{median([1e6 * r['train_s'] / r['steps'] for r in solved]):.1f}",
                     f"{median([r['startup_s'] for r in runs]):.2f}", f"{median([r['waiting_s'] for r in runs]):.2f}",
                     f"{median([r['learn_s'] for r in runs]):.2f}"])

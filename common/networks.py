@@ -13,6 +13,7 @@ from torch.distributions import Categorical, Normal
 
 from common.replay import is_image
 from common.rollout import actor_critic_spec, space_from_spec, space_spec
+from common.shm import Seqlock
 
 # Argument validation costs more than the math for the tiny batches of a rollout step.
 torch.distributions.Distribution.set_default_validate_args(False)
@@ -234,17 +235,17 @@ def read_flat_params(model: nn.Module, flat: np.ndarray) -> None:
 
 
 class SharedParams:
-    """The parameters of a network in shared memory, under a version seqlock: one writer, many readers.
+    """The parameters of a network in shared memory, under a version seqlock (:class:`common.shm.Seqlock`):
+    one writer, many readers.
 
     ``arrays["params"]`` is ``[slots, n]`` float32 (slot 0 the learner's current weights; more
-    slots hold, e.g., past snapshots for self-play) and ``arrays["versions"]`` is ``[slots, 2]``:
-    writes begun and writes finished. The writer bumps "begun", copies, then sets "finished" to
-    it; a reader copies the row and keeps it only if "begun" still equals the "finished" it read
-    before, so it never loads a half-written set of weights. A version of 0 means "never written".
+    slots hold, e.g., past snapshots for self-play) and ``arrays["versions"]`` is ``[slots, 2]``,
+    the seqlock's counters. A version of 0 means "never written".
     """
 
     def __init__(self, arrays: dict[str, np.ndarray]):
         self.params, self.versions = arrays["params"], arrays["versions"]
+        self.lock = Seqlock(self.params, self.versions)
         self._scratch = np.empty(self.params.shape[1], dtype=np.float32)
 
     @staticmethod
@@ -255,25 +256,18 @@ class SharedParams:
         return SharedParams({"params": shared_arrays["params"], "versions": shared_arrays["versions"]})
 
     def version(self, slot: int = 0) -> int:
-        return int(self.versions[slot, 1])
+        return self.lock.version(slot)
 
     def publish(self, model: nn.Module, slot: int = 0) -> int:
         """Write ``model``'s parameters into ``slot``; returns the new version."""
-        self.versions[slot, 0] += 1
-        write_flat_params(model, self.params[slot])
-        self.versions[slot, 1] = self.versions[slot, 0]
-        return int(self.versions[slot, 1])
+        return self.lock.write(lambda row: write_flat_params(model, row), slot)
 
     def fetch(self, model: nn.Module, slot: int = 0) -> int | None:
         """Load ``slot`` into ``model`` if it was not being written meanwhile; its version, or None."""
-        finished = int(self.versions[slot, 1])
-        if finished == 0:
-            return None
-        np.copyto(self._scratch, self.params[slot])
-        if int(self.versions[slot, 0]) != finished:
-            return None  # the learner was writing: try again at the next poll
-        read_flat_params(model, self._scratch)
-        return finished
+        version = self.lock.read(self._scratch, slot)
+        if version is not None:
+            read_flat_params(model, self._scratch)
+        return version
 
     def wait_fetch(self, model: nn.Module, slot: int = 0, alive=lambda: True) -> int:
         """Fetch, retrying until a consistent copy is read (the writer holds a slot for microseconds)."""

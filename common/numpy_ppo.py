@@ -18,10 +18,11 @@ written out by hand; tests/test_numpy_ppo.py checks it against torch's autograd,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
-from common.rollout import actor_critic_shapes, parameter_count, split_flat
+from common.rollout import PROXIMAL_WEIGHT_CAP, actor_critic_shapes, parameter_count, split_flat
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -106,30 +107,43 @@ class MLPActorCritic:
                 d = d @ layers[i][0]
                 d *= (1.0 - outs[i] * outs[i]) if self.tanh else (outs[i] > 0.0)
 
-    def loss_and_gradients(self, obs, actions, old_logprobs, advantages, returns, old_values,
-                           settings) -> dict[str, float]:
-        """The PPO loss of one minibatch (``common.ppo.ppo_update``'s, term by term) and its gradient in
-        :attr:`grads`; returns the minibatch's statistics."""
-        n = len(obs)
-        critic_outs, actor_outs = self._forward(obs, self.critic), self._forward(obs, self.actor)
-        value, head = critic_outs[-1][:, 0], actor_outs[-1]
+    def _log_probs(self, head: np.ndarray, actions: np.ndarray):
+        """The log-probability of ``actions`` under the action head's output, and what the gradient needs:
+        the log-probabilities of every action (discrete) or the standardized actions (Gaussian)."""
         if self.discrete:
             shifted = head - head.max(axis=1, keepdims=True)
             log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+            return log_probs[np.arange(len(head)), actions], log_probs
+        z = (actions - head) / np.exp(self.log_std[0])
+        return (-0.5 * z * z - self.log_std[0] - LOG_SQRT_2PI).sum(axis=1), z
+
+    def logprobs(self, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:
+        """The current policy's log-probability of ``actions`` (the proximal policy of a decoupled update)."""
+        return self._log_probs(self._forward(obs, self.actor)[-1], actions)[0]
+
+    def loss_and_gradients(self, obs, actions, old_logprobs, advantages, returns, old_values,
+                           settings, weights=None) -> dict[str, float]:
+        """The PPO loss of one minibatch (``common.ppo.ppo_update``'s, term by term) and its gradient in
+        :attr:`grads`; returns the minibatch's statistics. ``weights`` scale the (normalized) advantages."""
+        n = len(obs)
+        critic_outs, actor_outs = self._forward(obs, self.critic), self._forward(obs, self.actor)
+        value, head = critic_outs[-1][:, 0], actor_outs[-1]
+        new_logprobs, detail = self._log_probs(head, actions)
+        if self.discrete:
+            log_probs = detail
             probs = np.exp(log_probs)
             rows = np.arange(n)
-            new_logprobs = log_probs[rows, actions]
             entropy = -(probs * log_probs).sum(axis=1)
         else:
-            std = np.exp(self.log_std[0])
-            z = (actions - head) / std
-            new_logprobs = (-0.5 * z * z - self.log_std[0] - LOG_SQRT_2PI).sum(axis=1)
+            std, z = np.exp(self.log_std[0]), detail
             entropy = np.full(n, (0.5 + LOG_SQRT_2PI + self.log_std[0]).sum(), dtype=np.float32)
 
         logratio = new_logprobs - old_logprobs
         ratio = np.exp(logratio)
         if settings.norm_adv and n > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std(ddof=1) + 1e-8)
+        if weights is not None:
+            advantages = advantages * weights
         low, high = 1.0 - settings.clip_coef, 1.0 + settings.clip_coef
         surrogate, clipped_surrogate = -advantages * ratio, -advantages * np.clip(ratio, low, high)
         unclipped = surrogate >= clipped_surrogate  # where the max is the unclipped term, it carries the gradient
@@ -221,23 +235,30 @@ class Adam:
 
 
 def ppo_update(model: MLPActorCritic, optimizer: Adam, batch: dict[str, np.ndarray], settings,
-               rng: np.random.Generator) -> dict[str, float]:
+               rng: np.random.Generator, after_epoch: Callable[[int], None] | None = None) -> dict[str, float]:
     """``common.ppo.ppo_update`` for :class:`MLPActorCritic`: ``n_epochs`` passes of minibatch PPO over a
-    flat numpy batch; returns the last minibatch's statistics, as the torch version does."""
+    flat numpy batch; returns the last minibatch's statistics, as the torch version does. ``after_epoch(e)``
+    runs after the e-th pass (1-based), as in the torch version."""
     size = len(batch["obs"])
     obs = batch["obs"].reshape(size, -1).astype(np.float32, copy=False)
     clipped, minibatches, stats = 0.0, 0, {}
-    for _ in range(settings.n_epochs):
+    old_logprobs, weights = batch["logprobs"], None
+    if settings.decoupled:  # (common.rollout.PPOSettings)
+        old_logprobs = model.logprobs(obs, batch["actions"]).astype(np.float32, copy=False)
+        weights = np.minimum(np.exp(old_logprobs - batch["logprobs"]), PROXIMAL_WEIGHT_CAP)
+    for epoch in range(settings.n_epochs):
         order = rng.permutation(size)
         for start in range(0, size, settings.minibatch_size):
             mb = order[start:start + settings.minibatch_size]
-            stats = model.loss_and_gradients(obs[mb], batch["actions"][mb], batch["logprobs"][mb],
+            stats = model.loss_and_gradients(obs[mb], batch["actions"][mb], old_logprobs[mb],
                                              batch["advantages"][mb], batch["returns"][mb], batch["values"][mb],
-                                             settings)
+                                             settings, None if weights is None else weights[mb])
             clipped += stats.pop("clipped")
             minibatches += 1
             model.clip_gradients(settings.max_grad_norm)
             optimizer.step()
+        if after_epoch is not None:
+            after_epoch(epoch + 1)
         if settings.target_kl is not None and stats["approx_kl"] > settings.target_kl:
             break
     returns, values = batch["returns"], batch["values"]

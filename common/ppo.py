@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common import networks
-from common.rollout import NumpyActing, PPOSettings
+from common.rollout import PROXIMAL_WEIGHT_CAP, NumpyActing, PPOSettings
 
 
 class TorchActing:
@@ -67,25 +67,35 @@ def as_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
 
 def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
                settings: PPOSettings, generator: torch.Generator | None = None,
-               after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+               after_backward: Callable[[], None] | None = None,
+               after_epoch: Callable[[int], None] | None = None) -> dict[str, float]:
     """``n_epochs`` passes of minibatch PPO over a flat batch; returns the last epoch's statistics.
 
     ``batch`` holds ``obs, actions, logprobs, advantages, returns, values`` with the
     sample dimension first. ``after_backward`` runs between ``backward()`` and the
-    optimizer step (distributed training averages gradients there).
+    optimizer step (distributed training averages gradients there); ``after_epoch(e)`` after
+    the e-th pass (1-based; train_parallel_timed.py publishes the parameters there).
     """
     size, device = batch["obs"].shape[0], batch["obs"].device
     # summed on the batch's device and read once at the end: no per-minibatch sync with a GPU
     clipped, minibatches = torch.zeros((), device=device), 0
     approx_kl = old_approx_kl = pg_loss = v_loss = entropy_loss = torch.zeros(())
-    for _ in range(settings.n_epochs):
+    old_logprobs, weights = batch["logprobs"], None
+    if settings.decoupled:  # (common.rollout.PPOSettings)
+        with torch.no_grad():
+            step = settings.minibatch_size
+            chunks = [slice(start, start + step) for start in range(0, size, step)]
+            old_logprobs = torch.cat([agent.get_action_and_value(batch["obs"][chunk], batch["actions"][chunk])[1]
+                                      for chunk in chunks])
+            weights = (old_logprobs - batch["logprobs"]).exp().clamp(max=PROXIMAL_WEIGHT_CAP)
+    for epoch in range(settings.n_epochs):
         # drawn on the CPU (the seeded generator's stream is the same on any device), indexed on the batch's
         order = torch.randperm(size, generator=generator).to(device)
         for start in range(0, size, settings.minibatch_size):
             mb_inds = order[start:start + settings.minibatch_size]
             _, newlogprob, entropy, newvalue = agent.get_action_and_value(
                 batch["obs"][mb_inds], batch["actions"][mb_inds])
-            logratio = newlogprob - batch["logprobs"][mb_inds]
+            logratio = newlogprob - old_logprobs[mb_inds]
             ratio = logratio.exp()
             with torch.no_grad():
                 old_approx_kl = (-logratio).mean()
@@ -96,6 +106,8 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
             mb_advantages = batch["advantages"][mb_inds]
             if settings.norm_adv and mb_advantages.numel() > 1:
                 mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            if weights is not None:
+                mb_advantages = mb_advantages * weights[mb_inds]
             pg_loss1 = -mb_advantages * ratio
             pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - settings.clip_coef, 1 + settings.clip_coef)
             pg_loss = torch.max(pg_loss1, pg_loss2).mean()
@@ -116,6 +128,8 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
                 after_backward()
             nn.utils.clip_grad_norm_(agent.parameters(), settings.max_grad_norm)
             optimizer.step()
+        if after_epoch is not None:
+            after_epoch(epoch + 1)
         if settings.target_kl is not None and approx_kl.item() > settings.target_kl:
             break
 

@@ -13,6 +13,8 @@ fraction of the time (torch's import is most of a worker's start-up) and its mem
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from common.normalize import Normalizer
 from common.replay import describe_observations, is_image
+from common.shm import Seqlock
 
 
 def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:
@@ -187,6 +190,33 @@ class NumpyActing:
         return action.astype(np.float32), logprob.astype(np.float32), value
 
 
+class PublishedParams:
+    """The newest flat parameters a learner published under a :class:`common.shm.Seqlock`, as the
+    ``params`` source of :class:`NumpyActing` or ``common.ppo.TorchActing``.
+
+    Calling it copies them and returns the copy; ``version`` is that copy's version, and ``newer()``
+    says whether the learner has published since (one read of shared memory: cheap enough for every step).
+    """
+
+    def __init__(self, lock: Seqlock, slot: int = 0, attempts: int = 2000):
+        self.lock, self.slot, self.attempts = lock, slot, attempts
+        self.copy = np.empty(lock.rows.shape[1], dtype=lock.rows.dtype)
+        self.version = 0
+
+    def __call__(self) -> np.ndarray:
+        for _ in range(self.attempts):  # a write holds the row for microseconds
+            version = self.lock.read(self.copy, self.slot)
+            if version is not None:
+                self.version = version
+                return self.copy
+            time.sleep(0.0005)
+        raise RuntimeError(f"no consistent copy of the published parameters in {self.attempts} attempts "
+                           f"(version {self.lock.version(self.slot)}): was the learner killed while writing them?")
+
+    def newer(self) -> bool:
+        return self.lock.version(self.slot) != self.version
+
+
 def _flat(obs: np.ndarray) -> np.ndarray:
     return obs.reshape(len(obs), -1).astype(np.float32, copy=False)
 
@@ -201,20 +231,34 @@ class RolloutCollector:
     observations normalized by ``normalizer``; the rollout stores them raw (common/normalize.py).
     ``buf`` may be another rollout of the same layout from one rollout to the next
     (train_parallel_timed.py alternates two when it collects while it learns).
+
+    With ``published`` (the :class:`PublishedParams` that ``acting`` reads), the collector takes
+    up parameters the learner publishes during a rollout at the next step, and counts the steps
+    acted with each version in ``steps_by_version``. Every step stores the log-probability and
+    value of the policy that acted, so the learner's ratio stays exact whichever version that was.
     """
 
-    def __init__(self, acting, envs, buf: dict[str, np.ndarray], cols: slice, normalizer: Normalizer):
+    def __init__(self, acting, envs, buf: dict[str, np.ndarray], cols: slice, normalizer: Normalizer,
+                 published: PublishedParams | None = None):
         self.acting, self.envs, self.buf, self.cols, self.normalizer = acting, envs, buf, cols, normalizer
+        self.published = published
         self.low, self.high = action_bounds(envs.single_action_space)
         self.next_obs = envs.reset()
         self.returns = np.zeros(envs.num_envs, dtype=np.float64)
+        self.steps_by_version: Counter[int] = Counter()
 
     def collect(self, n_steps: int) -> list[dict]:
         """One rollout of ``n_steps`` steps per env with the policy's current parameters; the episodes that finished."""
-        buf, cols, acting, seen = self.buf, self.cols, self.acting, self.normalizer.observations
+        buf, cols, acting, seen, published = self.buf, self.cols, self.acting, self.normalizer.observations, \
+            self.published
         acting.refresh()
+        self.steps_by_version = Counter()
         episodes = []
         for step in range(n_steps):
+            if published is not None:
+                if published.newer():
+                    acting.refresh()
+                self.steps_by_version[published.version] += self.envs.num_envs
             action, logprob, value = acting.act(seen(self.next_obs))
             buf["obs"][step, cols] = self.next_obs
             buf["actions"][step, cols] = action
@@ -257,6 +301,15 @@ class PPOSettings:
     max_grad_norm: float
     norm_adv: bool = True
     target_kl: float | None = None
+    # Decoupled PPO (Hilton et al., 2021), for rollouts collected by a policy older than the learner's
+    # (train_parallel_timed.py --async-training): the ratio is clipped around the policy as the update starts
+    # (the proximal policy, whose log-probabilities the learner computes first), and each sample's advantage is
+    # weighted by proximal / behaviour probability, capped at PROXIMAL_WEIGHT_CAP. The trust region is then
+    # centred where the learner is, not one update back, while the gradient stays that of the proximal policy.
+    decoupled: bool = False
+
+
+PROXIMAL_WEIGHT_CAP = 2.0  # bounds a sample whose action the behaviour policy found unlikely (V-trace's rho-bar idea)
 
 
 def flat_batch(buf: dict[str, np.ndarray], gamma: float, gae_lambda: float,

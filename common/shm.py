@@ -116,6 +116,40 @@ class SharedArrays:
         self._arrays.clear()
 
 
+class Seqlock:
+    """Rows of a shared array under a version seqlock: one writer, many readers, and no lock a killed
+    process could die holding.
+
+    ``rows`` is ``[slots, n]`` and ``versions`` is ``[slots, 2]`` int64: writes begun and writes
+    finished. The writer bumps "begun", writes the row, then sets "finished" to it; a reader copies
+    the row and keeps the copy only if "begun" still equals the "finished" it read before, so it never
+    keeps a half-written row. Version 0 means "never written". (Stores and loads of one process are
+    seen in program order by the others on x86; the writer holds a row for microseconds.)
+    """
+
+    def __init__(self, rows: np.ndarray, versions: np.ndarray):
+        self.rows, self.versions = rows, versions
+
+    def version(self, slot: int = 0) -> int:
+        """The version of the last finished write of ``slot``."""
+        return int(self.versions[slot, 1])
+
+    def write(self, fill, slot: int = 0) -> int:
+        """``fill(row)`` writes the row of ``slot`` in place; returns the new version."""
+        self.versions[slot, 0] += 1
+        fill(self.rows[slot])
+        self.versions[slot, 1] = self.versions[slot, 0]
+        return int(self.versions[slot, 1])
+
+    def read(self, out: np.ndarray, slot: int = 0) -> int | None:
+        """Copy ``slot`` into ``out`` if no write overlapped the copy: its version, else None (retry later)."""
+        finished = int(self.versions[slot, 1])
+        if finished == 0:
+            return None
+        np.copyto(out, self.rows[slot])
+        return finished if int(self.versions[slot, 0]) == finished else None
+
+
 def attach_all(specs: dict[str, ArraySpec]) -> tuple[dict[str, np.ndarray], list[SharedArray]]:
     """Attach to every spec; returns the arrays and the handles to close later."""
     handles = {what: SharedArray.attach(spec) for what, spec in specs.items()}

@@ -306,6 +306,69 @@ def test_flat_parameters_travel_through_shared_memory():
         assert torch.equal(a, b)
 
 
+def test_a_seqlock_never_hands_out_a_half_written_row():
+    from common.shm import Seqlock
+
+    lock = Seqlock(np.zeros((2, 4), np.float32), np.zeros((2, 2), np.int64))
+    out = np.full(4, -1.0, np.float32)
+    assert lock.version() == 0 and lock.read(out) is None  # never written
+    assert lock.write(lambda row: row.fill(3.0)) == 1 and lock.write(lambda row: row.fill(5.0), slot=1) == 1
+    assert lock.read(out) == 1 and (out == 3.0).all()
+    lock.versions[0, 0] += 1  # a write begun and not finished (its writer killed mid-copy, or still copying)
+    lock.rows[0, :2] = 9.0
+    assert lock.read(out) is None and lock.version() == 1
+    assert lock.read(out, slot=1) == 1 and (out == 5.0).all()  # the other slot is unaffected
+
+
+def test_a_collector_takes_up_parameters_published_during_its_rollout():
+    """An overlapped worker acts with whatever the learner published last, from the next step on, and stores the
+    log-probability of the parameters that acted; a reader that never gets a whole copy says so."""
+
+    from common.normalize import Normalizer
+    from common.rollout import (
+        NumpyActing,
+        PublishedParams,
+        RolloutCollector,
+        actor_critic_shapes,
+        parameter_count,
+        rollout_layout,
+    )
+    from common.shm import Seqlock
+
+    envs = make_vec_env("CartPole-v1", 4, seed=0)
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    size = parameter_count(actor_critic_shapes(obs_space, act_space, (8,)))
+    lock = Seqlock(np.zeros((1, size), np.float32), np.zeros((1, 2), np.int64))
+    lock.write(lambda row: row.__setitem__(slice(None), np.random.default_rng(0).normal(size=size)))
+    published = PublishedParams(lock)
+    acting = NumpyActing(obs_space, act_space, (8,), "tanh", published, seed=0)
+
+    class PublishAtStep:  # the learner finishing an update while step 10 of the rollout is stepped
+        def __init__(self):
+            self.steps, self.single_action_space, self.num_envs = 0, act_space, envs.num_envs
+
+        def reset(self):
+            return envs.reset()
+
+        def step(self, action):
+            self.steps += 1
+            if self.steps == 10:
+                lock.write(lambda row: row.fill(0.0))  # zero weights: both actions equally likely
+            return envs.step(action)
+
+    layout = rollout_layout(16, 4, obs_space, act_space)
+    buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
+    collector = RolloutCollector(acting, PublishAtStep(), buf, slice(None), Normalizer((4,), False, False), published)
+    collector.collect(16)
+    envs.close()
+    assert collector.steps_by_version == {1: 10 * 4, 2: 6 * 4}
+    np.testing.assert_allclose(buf["logprobs"][10:], np.log(0.5), rtol=1e-6)
+    assert not np.isclose(buf["logprobs"][:10], np.log(0.5)).all()
+    lock.versions[0, 0] += 1  # a write that never finishes
+    with pytest.raises(RuntimeError, match="no consistent copy of the published parameters in 3 attempts"):
+        PublishedParams(lock, attempts=3)()
+
+
 def test_stale_segments_of_dead_processes_are_reclaimed(tmp_path):
     dead = mp.get_context("spawn").Process(target=os.getpid)
     dead.start()

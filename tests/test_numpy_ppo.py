@@ -96,17 +96,39 @@ def test_gradients_and_statistics_match_torch_autograd(spaces, activation, clip_
 
 
 @pytest.mark.parametrize("spaces", [DISCRETE, CONTINUOUS])
-def test_updates_with_clipping_and_adam_match_the_torch_learner(spaces):
+def test_a_decoupled_update_changes_only_what_an_older_policy_collected(spaces):
+    """On samples of the learner's own policy the proximal policy is the behaviour policy and every weight is 1:
+    the decoupled update is the plain one. On samples of another policy it is not."""
+    def updated(batch, decoupled):
+        model, _ = pair(spaces)
+        optimizer = numpy_ppo.Adam(model.params, model.grads, model.shapes, lr=3e-3, eps=1e-5)
+        numpy_ppo.ppo_update(model, optimizer, batch, settings(n_epochs=3, decoupled=decoupled),
+                             np.random.default_rng(0))
+        return model.params
+
+    older = batch_for(spaces)
+    own = {**older, "logprobs": pair(spaces)[0].logprobs(older["obs"], older["actions"]).astype(np.float32)}
+    np.testing.assert_allclose(updated(own, True), updated(own, False), rtol=1e-5, atol=1e-6)
+    assert np.abs(updated(older, True) - updated(older, False)).max() > 1e-3
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("spaces", [DISCRETE, CONTINUOUS])
+def test_updates_with_clipping_and_adam_match_the_torch_learner(spaces, decoupled):
     """Three epochs over one minibatch (so the sample order cannot differ), gradient clipping active,
-    Adam at 3e-3: the parameters and Adam's moments stay within float32 noise of the torch learner's."""
+    Adam at 3e-3: the parameters and Adam's moments stay within float32 noise of the torch learner's,
+    also decoupled (the ratio around the policy as the update starts, capped importance weights)."""
     model, agent = pair(spaces)
     batch = batch_for(spaces)
-    ppo_settings = settings(n_epochs=3, max_grad_norm=0.1)
+    ppo_settings = settings(n_epochs=3, max_grad_norm=0.1, decoupled=decoupled)
     optimizer = numpy_ppo.Adam(model.params, model.grads, model.shapes, lr=3e-3, eps=1e-5)
-    stats = numpy_ppo.ppo_update(model, optimizer, batch, ppo_settings, np.random.default_rng(0))
+    epochs_seen = {"numpy": [], "torch": []}  # train_parallel_timed.py publishes the parameters after each
+    stats = numpy_ppo.ppo_update(model, optimizer, batch, ppo_settings, np.random.default_rng(0),
+                                 epochs_seen["numpy"].append)
     torch_optimizer = FusedAdam(agent.parameters(), lr=3e-3, eps=1e-5)
     torch_stats = ppo.ppo_update(agent, torch_optimizer, {k: torch.as_tensor(v) for k, v in batch.items()},
-                                 ppo_settings)
+                                 ppo_settings, after_epoch=epochs_seen["torch"].append)
+    assert epochs_seen == {"numpy": [1, 2, 3], "torch": [1, 2, 3]}
     for name, value in agent.state_dict().items():
         np.testing.assert_allclose(model.state_dict()[name], value.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
     for key in ("policy_loss", "value_loss", "clipfrac", "explained_variance"):

@@ -75,6 +75,11 @@ def test_tiny_run_writes_the_whole_run_directory(tmp_path, workers, env_id, form
     assert summary["stop_reason"] == "total_timesteps 2000 reached"
     assert summary["async_training"] == config["async_training"]
     assert all(float(r["wait_ms"]) >= 0 and float(r["update_ms"]) > 0 for r in rows)
+    lags = [float(r["policy_lag"]) for r in rows]
+    if config["async_training"]:  # a rollout starts one update behind and takes up each epoch's parameters
+        assert lags[0] == 0 and all(0 <= lag <= 1 for lag in lags) and max(lags) > 0, lags
+    else:
+        assert not any(lags), lags
     log = (run_dir / "logs" / "main.log").read_text()
     assert "exit status 0" in log
     assert ("collecting while learning" in log) == config["async_training"]
@@ -121,16 +126,18 @@ def test_collecting_while_learning_needs_workers(tmp_path):
 
 def test_a_rollout_from_another_snapshot_is_refused():
     """Overlapped, the learner's statistics move on while a rollout is collected: each rollout is checked
-    against the snapshot published for it, not against the learner's current statistics."""
+    against the snapshot published for it, not against the learner's current statistics. Its parameters
+    may be newer than those published with it (the learner publishes after every epoch), never older."""
     from common.supervisor import Message
     from train_parallel_timed import Snapshot, WorkerCollector
 
     collector = object.__new__(WorkerCollector)
     collector.slot, collector.snapshot = 1, Snapshot(7, None, "abc")
-    collector.check(Message(0, "collected", {"slot": 1, "version": 7, "norm_digest": "abc"}))
+    for fine in (7, 9):
+        collector.check(Message(0, "collected", {"slot": 1, "version": fine, "norm_digest": "abc"}))
     for stale in ({"slot": 1, "version": 6, "norm_digest": "abc"}, {"slot": 1, "version": 7, "norm_digest": "abd"},
                   {"slot": 0, "version": 7, "norm_digest": "abc"}):
-        with pytest.raises(RuntimeError, match="the learner published snapshot 7"):
+        with pytest.raises(RuntimeError, match="the learner published parameters 7"):
             collector.check(Message(0, "collected", stale))
 
 
