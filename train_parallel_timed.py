@@ -110,8 +110,8 @@ class Config(RunConfig, NormalizationSettings):
 #
 # Shared memory holds the rollout (two with --async-training: the workers fill one while the
 # learner learns from the other), the parameters and the normalization statistics. The learner
-# publishes its parameters after every epoch of every update, under a seqlock (common.shm.Seqlock)
-# whose version counts them; workers take up a new version at their next step, so an overlapped
+# publishes its parameters after every update (overlapped, after every epoch of it), under a seqlock
+# (common.shm.Seqlock) whose version counts them; workers take up a new version at their next step, so an overlapped
 # rollout acts with parameters at most one update old, and fresher with every epoch (Sample
 # Factory's actors, too, take up new weights as soon as they exist). The statistics are a rollout's
 # own: the learner writes them only while every worker is between rollouts, as the snapshot of the
@@ -489,8 +489,8 @@ class PPOTrainer:
         # An overlapped run stops with a rollout in flight: its workers finish it and stop; it is not learned.
 
     def publish(self, epochs: int = 0) -> None:
-        """Publish the parameters, after ``epochs`` epochs of the update in progress (called after every epoch:
-        overlapped, the workers collect with each epoch's parameters from their next step on)."""
+        """Publish the parameters, after ``epochs`` epochs of the update in progress (overlapped, after every
+        epoch: the workers collect with each epoch's parameters from their next step on)."""
         version = self.params.write(self.learner.publish)
         self.progress[version] = self.run.counters["updates"] + epochs / self.cfg.n_epochs
         self.progress.pop(version - 16 * self.cfg.n_epochs, None)  # far older than any rollout in flight
@@ -529,7 +529,11 @@ class PPOTrainer:
         self.behaviour.read(behaviour.norm)
         batch = rollout.flat_batch(filled, cfg.gamma, cfg.gae_lambda, self.behaviour)
         self.normalizer.update(filled["obs"], filled["disc_returns"], self.dist.total)
-        stats = self.learner.update(batch, self.publish)
+        # Overlapped, the workers collect during the update and take up each epoch's parameters; synchronous,
+        # they wait for the next rollout, so one copy after the update is enough (from a GPU, a device copy).
+        stats = self.learner.update(batch, self.publish if cfg.async_training else None)
+        if not cfg.async_training:
+            self.publish(cfg.n_epochs)
         return stats, time.perf_counter() - started
 
     def record(self, episodes: list[dict], stats: dict, collect_seconds: float, update_seconds: float,
