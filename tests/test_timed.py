@@ -175,6 +175,8 @@ def test_an_mlp_policy_runs_without_torch_but_for_the_torch_learner(tmp_path, le
         wait_for_metrics(run_dir, 2, proc)
         workers = worker_pids(proc.pid)
         assert len(workers) == 2
+        # Synchronous, workers and learner take turns: the workers keep the learner's priority.
+        assert {psutil.Process(pid).nice() for pid in workers} == {psutil.Process(proc.pid).nice()}
         assert ("libtorch" in loaded_libraries(proc.pid)) == (learner == "torch")
         assert not any("libtorch" in loaded_libraries(pid) for pid in workers)
         os.killpg(proc.pid, signal.SIGINT)
@@ -229,6 +231,9 @@ def test_collecting_while_learning_stops_on_ctrl_c_with_a_checkpoint_and_resumes
     try:
         wait_for_metrics(run_dir, 3, proc)
         workers = worker_pids(proc.pid)
+        # Overlapped, the workers yield the cores to the learner's update (the next rollout's parameters wait on it)
+        learner_niceness = psutil.Process(proc.pid).nice()
+        assert [psutil.Process(pid).nice() for pid in workers] == [min(19, learner_niceness + 10)]
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 130
     finally:
