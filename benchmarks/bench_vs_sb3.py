@@ -4,6 +4,11 @@
     python benchmarks/bench_vs_sb3.py lunar --seeds 3        # train_parallel_timed.py defaults: time to 200
     python benchmarks/bench_vs_sb3.py pendulum --seeds 3     # time to a mean of -250
     python benchmarks/bench_vs_sb3.py halfcheetah --minutes 20  # return reached in the same wall-clock budget
+    python benchmarks/bench_vs_sb3.py cartpole --sb3 none --against HEAD~3  # this checkout against a commit
+
+``--against REV`` runs every project system twice per seed, from this checkout and from ``git archive REV``
+(with the same Python), alternating, so that a change made for structure is measured against the commit
+before it in one run.
 
 Needs requirements-bench.txt (Stable-Baselines3). Every run is a fresh process, timed from its
 start to its exit (the time a user waits); the training time comes from the run's own records.
@@ -31,12 +36,14 @@ RESULTS = ROOT / "benchmarks" / "results" / "vs_sb3.md"
 NEVER = "not solved"
 
 
-def run_project(script: str, args: list[str], run_dir: Path, threshold: float) -> dict:
-    """Whole-process seconds of a project run, and when its mean-100 return first reached ``threshold``."""
+def run_project(script: str, args: list[str], run_dir: Path, threshold: float, root: Path = ROOT) -> dict:
+    """Whole-process seconds of a project run (from the tree ``root``), and when its mean-100 return first
+    reached ``threshold``. Paths in ``args`` under this checkout are read from ``root`` instead."""
+    args = [arg.replace(str(ROOT), str(root)) for arg in args]
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args, "--output-dir", str(run_dir),
-                           "--no-tensorboard"], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, str(root / script), *args, "--output-dir", str(run_dir),
+                           "--no-tensorboard"], env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, cwd=root)
     process_s = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -104,20 +111,37 @@ def solve_section(title: str, systems: dict, seeds: list[int], threshold: float,
             + table(["system", "whole process, s (per seed)", "median", "training, s (per seed)", "median"], rows))
 
 
+BASE: tuple[str, Path] | None = None  # (revision, its extracted tree) under --against
+
+
+def project_systems(name: str, script: str, args_of, threshold: float) -> dict:
+    """The project's ``script`` as one system, and as a second one from the --against revision."""
+    systems = {name: lambda seed, out: run_project(script, args_of(seed), out, threshold)}
+    if BASE is not None:
+        rev, root = BASE
+        systems[f"{name} at {rev}"] = lambda seed, out: run_project(script, args_of(seed), out, threshold, root)
+    return systems
+
+
+def extract(rev: str, into: Path) -> Path:
+    """The tree of ``rev`` (git archive), to run the same benchmark against."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def cartpole(seeds: list[int], tmp: Path, sb3: str) -> list[str]:
     def project(script, config):
-        return lambda seed, out: run_project(script, ["--config", str(ROOT / "configs" / config), "--seed", str(seed)],
-                                             out, 475)
+        return project_systems(f"this project, {script} (configs/{config})", script,
+                               lambda seed: ["--config", str(ROOT / "configs" / config), "--seed", str(seed)], 475)
 
     def sb3_run(algo, max_steps):
         return lambda seed, out: run_sb3(algo, "CartPole-v1", seed, out.with_suffix(".csv"), 475, max_steps)
 
-    ppo = {"this project, train_parallel_timed.py (configs/cartpole_fast.yaml)":
-           project("train_parallel_timed.py", "cartpole_fast.yaml")}
-    dqn = {"this project, ultra_parallel_train_dqn.py (configs/ultra_cartpole.yaml)":
-           project("ultra_parallel_train_dqn.py", "ultra_cartpole.yaml"),
-           "this project, parallel_train_dqn.py (configs/parallel_dqn_cartpole.yaml)":
-           project("parallel_train_dqn.py", "parallel_dqn_cartpole.yaml")}
+    ppo = project("train_parallel_timed.py", "cartpole_fast.yaml")
+    dqn = {**project("ultra_parallel_train_dqn.py", "ultra_cartpole.yaml"),
+           **project("parallel_train_dqn.py", "parallel_dqn_cartpole.yaml")}
     if sb3 in ("all", "ppo"):
         ppo["Stable-Baselines3 PPO (rl-zoo)"] = sb3_run("ppo", 300_000)
     if sb3 == "all":  # SB3's DQN takes minutes per seed (it did not solve within 300k steps when measured)
@@ -127,8 +151,8 @@ def cartpole(seeds: list[int], tmp: Path, sb3: str) -> list[str]:
 
 
 def lunar(seeds: list[int], tmp: Path) -> list[str]:
-    run = {"this project, train_parallel_timed.py (defaults)":
-           lambda seed, out: run_project("train_parallel_timed.py", ["--seed", str(seed)], out, 200)}
+    run = project_systems("this project, train_parallel_timed.py (defaults)", "train_parallel_timed.py",
+                          lambda seed: ["--seed", str(seed)], 200)
     return [solve_section("LunarLander-v3, PPO", run, seeds, 200, tmp)]
 
 
@@ -190,11 +214,18 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--sb3", choices=["all", "ppo", "none"], default="all",
                         help="which Stable-Baselines3 runs to include (its DQN and Pendulum runs take minutes each)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also run the project's systems from this git revision, alternating (cartpole, lunar)")
     args = parser.parse_args()
+    global BASE
     seeds = list(range(1, args.seeds + 1))
     before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="prl_vs_sb3_") as tmp:
         tmp = Path(tmp)
+        if args.against:
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.against], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            BASE = (rev, extract(rev, tmp / f"tree_{rev}"))
         sections = {"cartpole": lambda: cartpole(seeds, tmp, args.sb3), "lunar": lambda: lunar(seeds, tmp),
                     "pendulum": lambda: pendulum(seeds, tmp, args.sb3),
                     "halfcheetah": lambda: halfcheetah(args.minutes, tmp)}[args.which]()
