@@ -1,4 +1,4 @@
-"""Atomic checkpoint writes, safe loads and resume lookup.
+"""Atomic checkpoint writes, safe loads, and finding a run's checkpoints.
 
 A checkpoint is a dict of ``state_dict``s and plain Python values. It is written to a
 temporary file in the same directory and ``os.replace``d into place, so a kill at any
@@ -13,16 +13,17 @@ import random
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common import torch_file
-from common.lazy import lazy_import
 
-# Finding a run's checkpoints needs no torch: a script looks for them before it starts its workers, which
-# then start while it imports torch (common/lazy.py).
-torch = lazy_import("torch")
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: finding a run's checkpoints needs none, and a script
+# looks for them before it starts its workers, which then start while it imports torch.
 
 
 class CheckpointError(ValueError):
@@ -40,6 +41,8 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     try:
         with open(tmp, "wb") as f:
             if "torch" in sys.modules:
+                import torch
+
                 torch.save(torch_file.plain(state, _tensor), f)
             else:
                 torch_file.write(state, f)
@@ -53,12 +56,16 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
 
 
 def _tensor(array: np.ndarray):
+    import torch
+
     return torch.from_numpy(array if array.flags.c_contiguous else array.copy(order="C"))
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
                     required: tuple[str, ...] = ("model",)) -> dict[str, Any]:
     """Load a checkpoint or raise CheckpointError with a one-line reason."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -73,7 +80,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
 
 
 def latest_checkpoint(directory: str | Path, pattern: str = r".*\.pt") -> Path | None:
-    """The newest checkpoint in ``directory`` matching ``pattern`` (by step number, then mtime)."""
+    """The checkpoint in ``directory`` matching ``pattern`` that was written last (by mtime).
+
+    The time, not the step in the name, decides: many names carry no step (``latest.pt``,
+    ``population.pt``, ``worker_3_final.pt``), and a run resumed from an older checkpoint leaves
+    files of higher steps from the timeline it abandoned. Files of the same mtime (a coarse
+    filesystem clock) go to a ``final`` or ``latest`` one, then to the higher number in the name.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -89,12 +102,29 @@ def latest_checkpoint(directory: str | Path, pattern: str = r".*\.pt") -> Path |
     return max(found, key=order)
 
 
+def find_checkpoint(path: str | Path, pattern: str = r".*\.pt") -> Path | None:
+    """The checkpoint a user's path names: the file itself, or in a run directory the latest of its
+    ``checkpoints/`` matching ``pattern`` (:func:`latest_checkpoint`); None for a directory without one.
+
+    Raises FileNotFoundError for a path that is neither a file nor a directory. ``--resume`` and
+    ``common.evaluate`` both find what they load here, and word the refusal their own way.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    return latest_checkpoint(path / "checkpoints", pattern)
+
+
 def rng_state() -> dict[str, Any]:
     """Python, numpy-legacy and (once this process has imported torch) torch RNG states, in a form
     ``weights_only`` can load. A process that never imported torch has not drawn from its generators."""
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (np_state[0], np_state[1].astype(np.int64), *np_state[2:])}
     if "torch" in sys.modules:
+        import torch
+
         state["torch"] = torch.get_rng_state()
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
@@ -106,41 +136,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.asarray(keys).astype(np.uint32), *rest))
-    if "torch" in state:
+    if "torch" in state:  # saved by a process that had imported torch (and "cuda" only then)
+        import torch
+
         torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def resolve_resume(resume: str | None, output_dir: str | None, script: str, env_id: str, seed: int,
-                   required: tuple[str, ...], pattern: str = r".*\.pt",
-                   hidden_sizes: list[int] | None = None) -> tuple[Path | None, dict | None]:
-    """The checkpoint a ``--resume`` value points at, loaded; ``(None, None)`` when there is nothing to resume.
-
-    ``auto`` means the newest checkpoint in ``output_dir`` or, without one, in the newest
-    ``runs/<script>/<env>__<seed>__*`` directory that has one; finding none starts a fresh run
-    (the first run of a cron job). Raises CheckpointError for a file that is not a usable
-    checkpoint or was made for another env (or, given ``hidden_sizes``, another network width);
-    scripts turn that into one line and exit 2.
-    """
-    if resume is None:
-        return None, None
-    if resume == "auto":
-        search = [Path(output_dir)] if output_dir else sorted(
-            Path("runs", script).glob(f"{env_id.replace('/', '_')}__{seed}__*"), key=os.path.getmtime)
-        for run_dir in reversed(search):
-            path = latest_checkpoint(run_dir / "checkpoints", pattern)
-            if path is not None:
-                break
-        else:
-            return None, None
-    else:
-        path = Path(resume)
-    state = load_checkpoint(path, required=required)
-    saved_env = state["config"].get("env_id") if isinstance(state.get("config"), dict) else None
-    if saved_env is not None and saved_env != env_id:
-        raise CheckpointError(f"{path}: checkpoint is for env {saved_env!r}, not {env_id!r}")
-    saved_sizes = state["config"].get("hidden_sizes") if isinstance(state.get("config"), dict) else None
-    if hidden_sizes is not None and list(saved_sizes or []) != list(hidden_sizes):
-        raise CheckpointError(f"{path}: checkpoint has hidden sizes {saved_sizes}, not {list(hidden_sizes)}")
-    return path, state
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

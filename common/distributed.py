@@ -16,13 +16,15 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.lazy import lazy_import
+if TYPE_CHECKING:
+    import torch
 
-torch = lazy_import("torch")
+# torch is imported inside the functions that use it: scripts import this module for PeerFailure and
+# launched_by_torchrun while answering --help, which must not wait for torch.
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PRL_COLLECTIVE_TIMEOUT_S", "120"))
 
@@ -91,6 +93,7 @@ class TorchDistributed:
     """One rank of a torchrun job. Rank 0 decides (paths, when to stop); gradients are averaged."""
 
     def __init__(self, device: str):
+        import torch
         import torch.distributed as dist
 
         self.dist = dist
@@ -118,13 +121,14 @@ class TorchDistributed:
         self.allreduce_seconds = 0.0  # time spent in gradient all-reduces (read and reset by the script)
         self.allreduce_bytes = 0
         self.lost_peers: set[int] = set()  # ranks known dead: no barrier waits for them at the end
-        self.barrier_at_close = True  # the actor-learner modes (common.hub) end without one: a peer may be gone
+        # The actor-learner modes (common.rank_exchange) end without a barrier: a peer may be gone.
+        self.barrier_at_close = True
         self._p2p_group = None
 
     @property
     def p2p_group(self):
-        """The group for point-to-point messages of CPU tensors (common.hub): gloo, a group of its own
-        when the default one is NCCL."""
+        """The group for point-to-point messages of CPU tensors (common.rank_exchange): gloo, a group of
+        its own when the default one is NCCL."""
         if self.backend == "gloo":
             return None
         if self._p2p_group is None:
@@ -162,12 +166,16 @@ class TorchDistributed:
 
     def total(self, values: np.ndarray) -> np.ndarray:
         """The sum of ``values`` over all ranks (e.g. the moments of the normalization statistics)."""
+        import torch
+
         tensor = torch.as_tensor(np.asarray(values, dtype=np.float64), device=self.device)
         self._call("statistics all-reduce", self.dist.all_reduce, tensor)
         return tensor.cpu().numpy()
 
     def gradient_hook(self, model: torch.nn.Module):
         """A callable for ``ppo_update(after_backward=...)``: one flat all-reduce of every gradient."""
+        import torch
+
         params = [p for p in model.parameters() if p.requires_grad]
 
         def hook() -> None:
@@ -200,6 +208,8 @@ class TorchDistributed:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if it is true on any (a signal that reached only some ranks)."""
+        import torch
+
         tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self._call("flag all-reduce", self.dist.all_reduce, tensor, op=self.dist.ReduceOp.MAX)
         return bool(tensor.item() > 0)

@@ -58,30 +58,35 @@ class EvaluationError(ValueError):
 
 
 def find_checkpoint(path: str | Path, member: int | None = None) -> Path:
-    """The checkpoint to evaluate: the file itself, or the best one of a run directory.
+    """The checkpoint to evaluate: the file itself, or what a run directory holds as its result.
 
-    In a run directory: ``ultra_final_model.pth``, then ``best.pt`` (a population's best agent;
-    with ``member`` the newest checkpoint of that worker), then the newest file in checkpoints/.
+    In a run directory: the first of the files its mode names as its result (``result_files``:
+    ``ultra_final_model.pth``, a population's ``best.pt``); with ``member``, the latest checkpoint
+    of that population member (``member_checkpoints``); else the latest file in checkpoints/.
     """
-    path = Path(path)
-    if path.is_file():
-        if member is not None:
-            raise EvaluationError(f"--member {member} picks an agent of a population run directory; "
-                                  f"{path} is a checkpoint file")
-        return path
-    if not path.is_dir():
-        raise EvaluationError(f"{path}: no such file or directory")
-    from common.checkpoint import latest_checkpoint
+    from common.checkpoint import find_checkpoint as checkpoint_in
+    from common.script_modes import declared_modes
 
-    if member is not None:
-        found = latest_checkpoint(path / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
-        if found is None:
-            raise EvaluationError(f"{path}: no checkpoint of population member {member}")
-        return found
-    for name in ("ultra_final_model.pth", "best.pt"):
-        if (path / name).is_file():
-            return path / name
-    found = latest_checkpoint(path / "checkpoints", r".*\.pth?")
+    path = Path(path)
+    if member is not None and path.is_file():
+        raise EvaluationError(f"--member {member} picks an agent of a population run directory; "
+                              f"{path} is a checkpoint file")
+    modes = declared_modes() if path.is_dir() else ()
+    if member is None:
+        for name in dict.fromkeys(name for mode in modes for name in mode.result_files):
+            if (path / name).is_file():
+                return path / name
+        pattern = r".*\.pth?"
+    else:
+        members = dict.fromkeys(m.member_checkpoints.replace("{member}", str(member)) for m in modes
+                                if m.member_checkpoints)
+        pattern = "|".join(f"(?:{p})" for p in members) or "(?!)"  # no mode with members: nothing matches
+    try:
+        found = checkpoint_in(path, pattern)
+    except FileNotFoundError:
+        raise EvaluationError(f"{path}: no such file or directory") from None
+    if found is None and member is not None:
+        raise EvaluationError(f"{path}: no checkpoint of population member {member}")
     if found is None:
         raise EvaluationError(f"{path}: not a run directory with a checkpoint (looked in {path / 'checkpoints'})")
     return found

@@ -30,576 +30,41 @@ A trainer is a class ``Trainer(run)`` with ``train()`` (the loop: it returns whe
 there is nothing worth saving), and optionally ``summary()`` (extra summary keys) and
 ``plot(run)``. Whatever it starts (workers, shared memory) it hands to :meth:`Run.defer`, which
 releases it at the end whatever happens, also when the trainer's own set-up fails halfway.
+
+This module is the sequence; the settings, the env probe and the resume lookup of step 1 are in
+:mod:`common.run_setup`, the :class:`~common.training_run.Run` a trainer is handed (steps 3 to 6)
+in :mod:`common.training_run`.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import os
-import signal
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import (
-    EXIT_BAD_CONFIG,
-    ConfigError,
-    config_yaml,
-    parse_args,
-    require,
-    require_env_id,
-    require_positive,
-    save_config,
-    to_dict,
-    unusable_directory,
-)
+from common.config import EXIT_BAD_CONFIG, ConfigError, config_yaml, parse_args, save_config, unusable_directory
 from common.distributed import PeerFailure, PeerRefused
-from common.runlog import (
-    EXIT_LOCKED,
-    MetricsWriter,
-    Progress,
-    RunLock,
-    close_log_files,
-    default_run_dir,
-    setup_logging,
-    write_summary,
+from common.run_setup import (  # noqa: F401  (RunConfig ... config_dict: what the scripts import from here)
+    EnvInfo,
+    FlatConfig,
+    RunConfig,
+    checkpoint_run_dir,
+    config_dict,
+    config_groups,
+    load_resume,
+    parse_env_kwargs,
+    probe_env,
 )
+from common.runlog import EXIT_LOCKED, RunLock, default_run_dir, setup_logging, write_summary
 from common.supervisor import WorkerConfigError, WorkerFailed
+from common.training_run import RECENT, Run, TimeBudget, TrainingDiverged  # noqa: F401  (RECENT: as above)
 
 EXIT_OK, EXIT_FAILED = 0, 1
-RECENT = 100  # "solved" and the reported mean return are over the last 100 episodes
 
-
-@dataclass
-class RunConfig:
-    """Settings every script shares; each script's ``Config`` derives from this class."""
-
-    output_dir: str | None = None  # run directory (default runs/<script>/<env>__<seed>__<time>)
-    resume: str | None = None  # continue a run: a checkpoint file, a run directory, or auto (the newest here)
-    checkpoint_interval_s: float = 60.0  # seconds between checkpoints (one more at the end)
-    log_interval_s: float = 10.0  # seconds between progress lines when stderr is not a terminal
-    tensorboard: bool = True  # also write TensorBoard events to tb/
-    max_worker_restarts: int | None = 3  # restarts per worker before the run gives up (exit 1); None = no limit
-    worker_timeout_s: float = 120.0  # a worker not started, or silent, this long is killed and restarted
-    env_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE keyword arguments for gymnasium.make
-
-    MIN_WORKERS = 1  # the fewest worker processes the mode can run with (0: in-process)
-
-    def validate(self) -> None:
-        """Checks of the shared fields; a script's ``validate`` calls this first."""
-        if hasattr(self, "env_id"):
-            require_env_id(self.env_id)
-        if hasattr(self, "num_workers"):
-            require(self.num_workers >= self.MIN_WORKERS, "num_workers", self.num_workers,
-                    f"must be >= {self.MIN_WORKERS}" + (" (0 = in the main process)" if self.MIN_WORKERS == 0 else ""))
-        require_positive(self, *[name for name in ("num_envs_per_worker", "total_timesteps", "total_episodes",
-                                                   "duration", "learning_rate", "batch_size")
-                                 if hasattr(self, name)])
-        require_positive(self, "checkpoint_interval_s", "log_interval_s", "worker_timeout_s")
-        require(self.max_worker_restarts is None or self.max_worker_restarts >= 0, "max_worker_restarts",
-                self.max_worker_restarts, "must be >= 0 or none")
-        if hasattr(self, "gamma"):
-            require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
-        if hasattr(self, "hidden_sizes"):
-            require(len(self.hidden_sizes) > 0 and all(h > 0 for h in self.hidden_sizes), "hidden_sizes",
-                    self.hidden_sizes, "widths must be > 0")
-        if hasattr(self, "target_return"):
-            parse_target(self.target_return)
-        if hasattr(self, "device"):
-            from common.system import resolve_device
-
-            resolve_device(self.device)
-        parse_env_kwargs(self.env_kwargs)
-
-
-def parse_env_kwargs(pairs: list[str]) -> dict[str, Any]:
-    """``["size=8", "view=global"]`` -> ``{"size": 8, "view": "global"}`` (values read as YAML scalars)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = str(pair).partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ConfigError("env_kwargs", pair, "must be KEY=VALUE with KEY a Python identifier")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            out[key.strip()] = value
-    return out
-
-
-def parse_target(value: str | None) -> float | str | None:
-    """``target_return``: a number, ``auto`` (the env's own reward_threshold) or none."""
-    if value is None or str(value).lower() in ("none", "null", "off"):
-        return None
-    if str(value).lower() == "auto":
-        return "auto"
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError("target_return", value, "must be a number, auto (the env's own threshold) or none") \
-            from None
-
-
-class FlatConfig:
-    """One object over a script's config groups (field names are unique across groups)."""
-
-    def __init__(self, groups: dict[str, Any]):
-        self.__dict__["_groups"] = groups
-
-    def __getattr__(self, name: str) -> Any:
-        for group in self._groups.values():
-            if hasattr(group, name):
-                return getattr(group, name)
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        for group in self._groups.values():
-            if hasattr(group, name):
-                setattr(group, name, value)
-                return
-        raise AttributeError(name)
-
-
-def config_dict(cfg: Any) -> dict[str, Any]:
-    """A config as one flat dict (grouped configs merged), as checkpoints store it."""
-    if isinstance(cfg, FlatConfig):
-        return {k: v for group in cfg._groups.values() for k, v in to_dict(group).items()}
-    return to_dict(cfg)
-
-
-def _groups_or_config(cfg: Any) -> Any:
-    return cfg._groups if isinstance(cfg, FlatConfig) else cfg
-
-
-# ------------------------------------------------------------------------ the env a mode can train
-
-@dataclass
-class EnvInfo:
-    """What one probe of the env told: its spaces and what the mode must know about it."""
-
-    env_id: str
-    observation_space: Any
-    action_space: Any
-    action_mask: bool = False  # info["action_mask"] marks legal actions
-    two_player: bool = False  # a built-in game with a pluggable opponent
-    reward_threshold: float | None = None  # the env's own "solved" return, if it has one
-    extra: dict = field(default_factory=dict)
-
-
-def probe_env(env_id: str, env_kwargs: dict | None = None, actions: tuple[str, ...] = ("Discrete", "Box"),
-              seed: int = 0) -> EnvInfo:
-    """Make and reset one env; refuse (ConfigError) an id that fails or spaces the mode cannot train."""
-    import gymnasium as gym
-
-    from common.envs import make_env
-
-    try:
-        env = make_env(env_id, seed, **(env_kwargs or {}))()
-        _, info = env.reset(seed=seed)
-    except Exception as err:  # missing extras (Box2D, ALE), bad env kwargs and broken ids all land here
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError("env_id", env_id, f"cannot create it ({reason[:160]})") from None
-    obs_space, act_space = env.observation_space, env.action_space
-    two_player = hasattr(env.unwrapped, "set_opponent")
-    threshold = env.spec.reward_threshold if env.spec is not None else None
-    env.close()
-    kind = type(act_space).__name__
-    if kind not in actions:
-        raise ConfigError("env_id", env_id, f"its action space {act_space} is not {' or '.join(actions)}, "
-                                            "which this mode needs")
-    if not isinstance(obs_space, gym.spaces.Box):
-        raise ConfigError("env_id", env_id, f"its observation space {obs_space} is not a Box, which this mode needs")
-    return EnvInfo(env_id, obs_space, act_space, "action_mask" in info, two_player, threshold)
-
-
-# ------------------------------------------------------------------------ resume
-
-def checkpoint_run_dir(path: Path) -> Path:
-    """The run directory a checkpoint file belongs to (``<run>/checkpoints/x.pt`` or ``<run>/x.pt``)."""
-    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
-
-
-def find_checkpoint(resume: str, output_dir: str | None, script: str, env_id: str, seed: int,
-                    pattern: str) -> Path | None:
-    """The file a ``--resume`` value names; None for ``auto`` with nothing to continue (a fresh start)."""
-    from common.checkpoint import latest_checkpoint
-
-    if resume == "auto":
-        if output_dir:
-            candidates = [Path(output_dir)]
-        else:
-            found = Path("runs", script).glob(f"{env_id.replace('/', '_')}__{seed}__*")
-            candidates = sorted(found, key=os.path.getmtime, reverse=True)
-        for run_dir in candidates:
-            path = latest_checkpoint(run_dir / "checkpoints", pattern)
-            if path is not None:
-                return path
-        return None
-    path = Path(resume)
-    if path.is_dir():
-        found = latest_checkpoint(path / "checkpoints", pattern)
-        if found is None:
-            raise ConfigError("resume", resume, "this run directory holds no checkpoint")
-        return found
-    if not path.is_file():
-        raise ConfigError("resume", resume, "no such checkpoint file or run directory")
-    return path
-
-
-def load_resume(script: str, cfg: Any, pattern: str, required: tuple[str, ...]) -> tuple[Path | None, dict | None]:
-    """Find and check the checkpoint to continue; ConfigError names what does not match."""
-    if cfg.resume is None:
-        return None, None
-    from common.checkpoint import CheckpointError, load_checkpoint
-
-    path = find_checkpoint(cfg.resume, cfg.output_dir, script, cfg.env_id, cfg.seed, pattern)
-    if path is None:
-        return None, None
-    try:
-        state = load_checkpoint(path, required=("script", "config", *required))
-    except CheckpointError as err:
-        raise ConfigError("resume", cfg.resume, str(err)) from None
-    saved = state["config"]
-    if state["script"] != script:
-        raise ConfigError("resume", str(path), f"is a checkpoint of {state['script']}.py, not of {script}.py")
-    for name in ("env_id", "hidden_sizes"):
-        if hasattr(cfg, name) and name in saved and saved[name] != getattr(cfg, name):
-            raise ConfigError("resume", str(path), f"was trained with {name} {saved[name]!r}, "
-                                                   f"not {getattr(cfg, name)!r}")
-    return path, state
-
-
-# ------------------------------------------------------------------------ signals
-
-class GracefulExit:
-    """First Ctrl+C or SIGTERM asks the run to stop (checkpoint, summary, exit 130/143);
-    a second Ctrl+C ends the process at once."""
-
-    def __init__(self, logger: logging.Logger):
-        self.signum: int | None = None
-        self.logger = logger
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> GracefulExit:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return self  # Python accepts handlers from the main thread only; a run from a thread keeps the defaults
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            os._exit(130)  # the workers die with us (common.supervisor)
-        self.signum = self.signum or signum
-        self.logger.warning("%s received: finishing the current step, saving, then exiting "
-                            "(Ctrl+C again to exit at once)", signal.Signals(signum).name)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum if self.signum else 0
-
-
-# ------------------------------------------------------------------------ where the time goes
-
-BUDGET_PARTS = ("startup", "collect", "learn", "wait", "checkpoint", "log", "shutdown")
-
-
-class TimeBudget:
-    """Where the wall time of the whole process went: start-up (process start to the first env
-    step), collecting, learning, waiting on workers, checkpointing, logging, shutting down."""
-
-    def __init__(self, started: float | None = None):
-        # A run called from Python (train()) counts from the call: the process may have run others before.
-        self.process_start = started or _process_start_time()
-        self.seconds = dict.fromkeys(BUDGET_PARTS, 0.0)
-        self.first_step: float | None = None
-
-    def mark_first_step(self, when: float | None = None) -> None:
-        """The first env step of the run happened at ``when`` (``time.time()``, any process)."""
-        if self.first_step is None:
-            self.first_step = when or time.time()
-            self.seconds["startup"] = max(0.0, self.first_step - self.process_start)
-
-    @contextmanager
-    def part(self, name: str):
-        """Count the time spent in the ``with`` block towards ``name`` (time before the first env
-        step is start-up, whatever the block was doing, so it is not counted twice)."""
-        started = time.time()
-        try:
-            yield
-        finally:
-            ended = time.time()
-            begin = max(started, self.first_step) if self.first_step is not None else ended
-            self.seconds[name] += max(0.0, ended - begin)
-
-    def report(self) -> dict[str, float]:
-        total = time.time() - self.process_start
-        parts = {f"{k}_s": round(v, 3) for k, v in self.seconds.items()}
-        parts["other_s"] = round(max(0.0, total - sum(self.seconds.values())), 3)
-        parts["process_s"] = round(total, 3)
-        return parts
-
-
-def _process_start_time() -> float:
-    """When this process started, to the clock tick. On Linux from its start in ticks since boot and the
-    uptime, both exact; psutil adds the boot time, which Linux gives in whole seconds, so its start
-    times are up to a second early (and a 3 s run's start-up read 1.3 s instead of 0.8 s)."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # no psutil, or no permission: the module's import time is close
-        return time.time() - time.perf_counter() + _IMPORTED_AT
-
-
-_IMPORTED_AT = time.perf_counter()
-
-
-# ------------------------------------------------------------------------ the run
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite: stop without saving, keep the last good checkpoint."""
-
-
-class Run:
-    """One training run: its config, env, directory, logs, counters, stop rules and checkpoints."""
-
-    def __init__(self, script: str, cfg: Any, env: EnvInfo, run_dir: Path, lock: RunLock | None,
-                 resume_path: Path | None, resumed: dict | None, budget: TimeBudget, metrics_columns: list[str],
-                 dist: Any = None, env_kwargs: dict | None = None):
-        from common.distributed import SingleProcess
-        from common.system import ProcessTreeSampler
-
-        self.script, self.cfg, self.env, self.run_dir = script, cfg, env, run_dir
-        self.env_kwargs = dict(env_kwargs or {})  # gymnasium.make kwargs: checkpoints keep them for evaluation
-        self.resume_path, self.resumed = resume_path, resumed
-        self.budget, self._lock = budget, lock
-        self.dist = dist or SingleProcess()  # under torchrun: this rank; rank 0 alone writes files
-        self.is_main = self.dist.is_main
-        self.log = logging.getLogger(f"prl.{script}")
-        self.sampler = ProcessTreeSampler()
-        self.supervisors: list = []
-        self.plotter = None  # rank 0's plotter process (common/plots.py), started by execute()
-        self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0,
-                         "best_mean_return": None, "recent_returns": []}
-        if resumed is not None:
-            self.counters.update(resumed.get("counters", {}))
-        self.recent = deque(self.counters["recent_returns"], maxlen=RECENT)
-        target = parse_target(getattr(cfg, "target_return", None))
-        self.target_return = env.reward_threshold if target == "auto" else target
-        self.graceful = GracefulExit(self.log)
-        self._wall_offset = float(self.counters["wall_time"])
-        self.start_clock()
-        self._stop: str | None = None
-        self._window: list[dict] = []  # episodes since the last metrics row
-        self.last_good_checkpoint: Path | None = resume_path
-        self._cleanup = ExitStack()
-        self.metrics = self.progress = None
-        if self.is_main:
-            columns = ["return_mean100", *metrics_columns, "worker_restarts", "cpu_percent", "rss_mb", "pss_mb"]
-            self.metrics = MetricsWriter(run_dir, columns, tensorboard=cfg.tensorboard)
-            total = getattr(cfg, "total_timesteps", None)
-            self.progress = Progress(total, "steps", self.log, cfg.log_interval_s, initial=self.counters["global_step"])
-
-    def start_clock(self) -> None:
-        """Training starts now: wall_time, the duration budget and the checkpoint interval count from here."""
-        self._started = time.monotonic()
-        self._deadline = self._started + self.cfg.duration * 3600 if getattr(self.cfg, "duration", None) else math.inf
-        self._last_checkpoint = self._started
-        self._window_start = (self._started, self.counters["global_step"])
-
-    def start_duration(self) -> None:
-        """--duration counts from now (a mode whose workers train as soon as each is up calls it once all
-        are): wall_time and the checkpoint interval keep counting from start_clock."""
-        duration = getattr(self.cfg, "duration", None)
-        self._deadline = time.monotonic() + duration * 3600 if duration else math.inf
-
-    def defer(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Run ``callback(*args)`` when the run ends, however it ends (last registered, first run).
-
-        A trainer registers here what it starts (workers, shared memory) as soon as it starts
-        it, so nothing outlives the run even if the trainer's own set-up fails halfway.
-        """
-        self._cleanup.callback(callback, *args)
-
-    def supervise(self, supervisor: Any) -> Any:
-        """Count ``supervisor``'s restarts in the metrics and the summary, and stop its workers at the end."""
-        self.supervisors.append(supervisor)
-        self.defer(supervisor.stop, min(30.0, self.cfg.worker_timeout_s))
-        return supervisor
-
-    @property
-    def worker_restarts(self) -> int:
-        return sum(s.total_restarts for s in self.supervisors)
-
-    # -- counters and metrics
-    @property
-    def wall_time(self) -> float:
-        return self._wall_offset + time.monotonic() - self._started
-
-    def mean_return(self) -> float:
-        return float(sum(self.recent) / len(self.recent)) if len(self.recent) == RECENT else math.nan
-
-    def record_episodes(self, episodes: list[dict], global_step: int | None = None) -> None:
-        """Count finished episodes (dicts with ``return`` and ``length``) and log each one to TensorBoard."""
-        step = self.counters["global_step"] if global_step is None else global_step
-        for episode in episodes:
-            self.recent.append(float(episode["return"]))
-            if self.metrics is not None:
-                self.metrics.episode(step, float(episode["return"]), int(episode["length"]))
-        self.counters["episodes"] += len(episodes)
-        self._window.extend(episodes)
-        mean = self.mean_return()
-        best = self.counters["best_mean_return"]
-        if math.isfinite(mean) and (best is None or mean > best):
-            self.counters["best_mean_return"] = mean
-
-    def write_metrics(self, row: dict[str, Any], progress: dict[str, Any] | None = None) -> None:
-        """One row of ``metrics.csv``: the core columns from the counters, then ``row``."""
-        if not self.is_main:
-            return
-        with self.budget.part("log"):
-            now, steps = time.monotonic(), self.counters["global_step"]
-            since, steps_then = self._window_start
-            episodes = self._window
-            resources = self.sampler.sample()
-            core = {"wall_time": self.wall_time, "global_step": steps, "episodes": self.counters["episodes"],
-                    "episodic_return": _mean([e["return"] for e in episodes]),
-                    "episodic_length": _mean([e["length"] for e in episodes]),
-                    "sps": (steps - steps_then) / max(now - since, 1e-9), "return_mean100": self.mean_return()}
-            usage = {"worker_restarts": self.worker_restarts, "cpu_percent": resources.cpu_percent,
-                     "rss_mb": resources.rss_bytes / 2**20, "pss_mb": resources.pss_bytes / 2**20}
-            self.metrics.write({**core, **row, **usage})
-            self._window, self._window_start = [], (now, steps)
-            shown = {"return100": core["return_mean100"], "sps": round(core["sps"]), **(progress or {})}
-            self.progress.update(steps, shown)
-
-    # -- stopping
-    def request_stop(self, reason: str) -> None:
-        """A mode's own stop rule was met (a target coverage, a win rate ...)."""
-        self._stop = self._stop or reason
-
-    def stop_reason(self) -> str | None:
-        """Why the run should stop now, or None: a signal, a budget, the deadline, the target."""
-        cfg, c = self.cfg, self.counters
-        if self.graceful.requested:
-            return "interrupted"
-        if self._stop:
-            return self._stop
-        total_steps, total_episodes = getattr(cfg, "total_timesteps", None), getattr(cfg, "total_episodes", None)
-        if total_steps is not None and c["global_step"] >= total_steps:
-            return f"total_timesteps {total_steps} reached"
-        if total_episodes is not None and c["episodes"] >= total_episodes:
-            return f"total_episodes {total_episodes} reached"
-        if time.monotonic() >= self._deadline:
-            return f"duration {cfg.duration} h reached"
-        if self.target_return is not None and self.mean_return() >= self.target_return:
-            return f"target return {self.target_return:g} reached (mean of the last {RECENT} episodes)"
-        return None
-
-    def budget_used(self) -> float:
-        """How far the run is through its budget, 0 to 1: the largest of the fractions of
-        ``total_timesteps`` and ``total_episodes`` done (counted over resumes) and of this invocation's
-        ``--duration`` gone; 0 when there is no budget. Schedules over "the run" (a learning rate
-        annealed to 0, prioritized replay's beta) read it, so they end when the run does."""
-        cfg, c = self.cfg, self.counters
-        fractions = [0.0]
-        for total, done in ((getattr(cfg, "total_timesteps", None), c["global_step"]),
-                            (getattr(cfg, "total_episodes", None), c["episodes"])):
-            if total:
-                fractions.append(done / total)
-        duration = getattr(cfg, "duration", None)
-        if duration and math.isfinite(self._deadline):
-            fractions.append(1.0 - (self._deadline - time.monotonic()) / (duration * 3600))
-        return min(1.0, max(fractions))
-
-    # -- checkpoints
-    def checkpoint_due(self) -> bool:
-        return time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_interval_s
-
-    def save_checkpoint(self, state: dict | None, name: str = "latest.pt") -> Path | None:
-        """Write ``state`` (model, optimizer, ...) with the counters, config and RNG state, atomically."""
-        if state is None or not self.is_main:
-            return None
-        from common.checkpoint import rng_state, save_checkpoint
-
-        with self.budget.part("checkpoint"):
-            self.counters["wall_time"] = self.wall_time
-            self.counters["recent_returns"] = list(self.recent)
-            full = {"script": self.script, "config": config_dict(self.cfg), "counters": dict(self.counters),
-                    "env": {"id": self.cfg.env_id, "kwargs": self.env_kwargs}, "rng": rng_state(), **state}
-            path = save_checkpoint(full, self.run_dir / "checkpoints" / name)
-        self._last_checkpoint = time.monotonic()
-        self.last_good_checkpoint = path
-        self.log.info("checkpoint saved: %s (step %d)", path, self.counters["global_step"])
-        return path
-
-    # -- the end
-    def summary(self, stop_reason: str, exit_code: int, extra: dict) -> dict:
-        cfg, c = self.cfg, self.counters
-        wall = self.wall_time
-        return {"script": self.script, "env_id": cfg.env_id, "seed": cfg.seed, "stop_reason": stop_reason,
-                "exit_code": exit_code, "global_step": c["global_step"], "episodes": c["episodes"],
-                "updates": c["updates"], "wall_time_s": round(wall, 3), "sps": round(c["global_step"] / wall, 1)
-                if wall > 0 else None, "final_mean_return": _finite(self.mean_return()),
-                "best_mean_return": c["best_mean_return"], "target_return": self.target_return,
-                "num_workers": getattr(cfg, "num_workers", None),
-                "num_envs_per_worker": getattr(cfg, "num_envs_per_worker", None),
-                "worker_restarts": self.worker_restarts, "world_size": self.dist.world_size,
-                "peak_rss_mb": round(self.sampler.peak_rss / 2**20, 1),
-                "peak_pss_mb": round(self.sampler.peak_pss / 2**20, 1),
-                "resumed_from": str(self.resume_path) if self.resume_path else None,
-                "time_budget": self.budget.report(), **extra}
-
-    def close_resources(self) -> None:
-        """Stop what the trainer started (see :meth:`defer`); errors are logged, never raised."""
-        try:
-            self._cleanup.close()
-        except Exception:
-            self.log.exception("error while releasing the run's resources")
-
-    def close(self) -> None:
-        if self.is_main:
-            self.progress.close()
-            self.metrics.close()
-            self._lock.release()
-        close_log_files(self.log)
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else math.nan
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-# ------------------------------------------------------------------------ from argv to exit status
 
 @dataclass
 class Mode:
@@ -617,9 +82,14 @@ class Mode:
     check: Callable[[Any, EnvInfo], None] | None = None  # the mode's own checks (RAM, /dev/shm ...): ConfigError
     probe: Callable[[Any], EnvInfo] | None = None  # replaces probe_env (e.g. to load a data cache once)
     distributed: bool = False  # under torchrun, every rank runs the trainer (DD-PPO); rank 0 writes
-    # The ranks exchange CPU data only (common.hub's messages, the handshake): gloo between them, also where
-    # the learner is on a GPU and the actor nodes have none (NCCL would need a GPU on every rank).
+    # The ranks exchange CPU data only (common.rank_exchange's messages, the handshake): gloo between them, also
+    # where the learner is on a GPU and the actor nodes have none (NCCL would need a GPU on every rank).
     cpu_collectives: bool = False
+    # What common.evaluate plays from a run directory, before the latest file of its checkpoints/: the first of
+    # these files that exists (a final model, a population's best agent) ...
+    result_files: tuple[str, ...] = ("ultra_final_model.pth", "best.pt")
+    # ... and, for --member K, the latest checkpoint of population member K ({member} stands for K).
+    member_checkpoints: str | None = r"worker_{member}_(step_\d+|final)\.pt"
 
 
 def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
@@ -689,7 +159,7 @@ def open_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Pat
         print(f"error: another run holds the lock on {run_dir} (see {lock.path})", file=sys.stderr)
         sys.exit(EXIT_LOCKED)
     setup_logging(run_dir / "logs" / "main.log", f"prl.{mode.script}", console=True)
-    save_config(_groups_or_config(cfg), run_dir / "config.yaml")
+    save_config(config_groups(cfg), run_dir / "config.yaml")
     return Run(mode.script, cfg, env, run_dir, lock, resume_path, state, budget, mode.metrics_columns,
                env_kwargs=env_kwargs_of(mode, cfg))
 
@@ -710,7 +180,7 @@ def open_any_run(mode: Mode, argv: list[str] | None, exit_on_error: bool = True,
     budget = budget or TimeBudget()
     cfg, env, run_dir, resume_path, state, validate_only = prepare(mode, argv, exit_on_error)
     if validate_only:
-        print(config_yaml(_groups_or_config(cfg)), end="")
+        print(config_yaml(config_groups(cfg)), end="")
         return None
     from common.shm import reclaim_stale_segments
 
@@ -737,7 +207,7 @@ def train_in_process(mode: Mode, config: Any) -> dict:
     budget = TimeBudget(started=time.time())
     with tempfile.TemporaryDirectory(prefix="prl_config_") as tmp:
         path = Path(tmp) / "config.yaml"
-        path.write_text(config_yaml(_groups_or_config(config)))
+        path.write_text(config_yaml(config_groups(config)))
         try:
             run = open_any_run(mode, ["--config", str(path)], exit_on_error=False, budget=budget)
         except ConfigError as err:

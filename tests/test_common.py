@@ -20,7 +20,6 @@ from common.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
-    resolve_resume,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -258,18 +257,50 @@ def test_loading_a_non_checkpoint_raises_a_clear_error(tmp_path):
     assert latest_checkpoint(tmp_path / "nowhere") is None
 
 
-def test_resume_refuses_a_checkpoint_of_another_env_or_network_width(tmp_path):
-    path = save_checkpoint({"model": {}, "config": {"env_id": "CartPole-v1", "hidden_sizes": [64, 64]}},
-                           tmp_path / "checkpoints" / "latest.pt")
-    found, state = resolve_resume("auto", str(tmp_path), "script", "CartPole-v1", 1, required=("model",),
-                                  hidden_sizes=[64, 64])
+def test_latest_checkpoint_is_the_one_written_last_whatever_its_name_says(tmp_path):
+    """--resume auto continues the file written last: a higher step in a name can be a timeline the run left."""
+    def written_at(name: str, when: int) -> None:
+        (tmp_path / name).touch()
+        os.utime(tmp_path / name, (when, when))
+
+    written_at("ultra_model_ep300.pt", 100)
+    written_at("ultra_model_ep100.pt", 200)
+    written_at("latest.pt", 150)
+    assert latest_checkpoint(tmp_path).name == "ultra_model_ep100.pt"
+    written_at("latest.pt", 200)  # the same time: a final or latest one first, then the higher number
+    assert latest_checkpoint(tmp_path).name == "latest.pt"
+    written_at("latest.pt", 100)
+    written_at("ultra_model_ep300.pt", 200)
+    assert latest_checkpoint(tmp_path).name == "ultra_model_ep300.pt"
+    assert latest_checkpoint(tmp_path, r"ultra_model_ep\d+\.pt|other\.pt").name == "ultra_model_ep300.pt"
+
+
+def test_resume_finds_its_checkpoint_and_refuses_another_script_env_or_network_width(tmp_path):
+    from types import SimpleNamespace
+
+    from common.run_setup import load_resume
+
+    saved = {"script": "script", "model": {}, "config": {"env_id": "CartPole-v1", "hidden_sizes": [64, 64]}}
+    path = save_checkpoint(saved, tmp_path / "checkpoints" / "latest.pt")
+
+    def resume(value, script="script", **settings):
+        cfg = {"resume": value, "output_dir": str(tmp_path), "env_id": "CartPole-v1", "seed": 1,
+               "hidden_sizes": [64, 64], **settings}
+        return load_resume(script, SimpleNamespace(**cfg), r".*\.pt", ("model",))
+
+    found, state = resume("auto")
     assert found == path and state["config"]["hidden_sizes"] == [64, 64]
-    with pytest.raises(CheckpointError, match="hidden sizes"):
-        resolve_resume(str(path), None, "script", "CartPole-v1", 1, required=("model",), hidden_sizes=[128, 128])
-    with pytest.raises(CheckpointError, match="for env 'CartPole-v1'"):
-        resolve_resume(str(path), None, "script", "Acrobot-v1", 1, required=("model",))
-    assert resolve_resume("auto", str(tmp_path / "empty"), "script", "CartPole-v1", 1, required=("model",)) == \
-        (None, None)
+    assert resume(str(tmp_path))[0] == path and resume(str(path))[0] == path
+    assert resume("auto", output_dir=str(tmp_path / "fresh")) == (None, None)  # nothing to continue: a fresh run
+    (tmp_path / "empty").mkdir()
+    for value, script, settings, message in (
+            (str(path), "script", {"hidden_sizes": [128, 128]}, "was trained with hidden_sizes \\[64, 64\\]"),
+            (str(path), "script", {"env_id": "Acrobot-v1"}, "was trained with env_id 'CartPole-v1'"),
+            (str(path), "other", {}, "is a checkpoint of script.py, not of other.py"),
+            (str(tmp_path / "missing"), "script", {}, "no such checkpoint file or run directory"),
+            (str(tmp_path / "empty"), "script", {}, "this run directory holds no checkpoint")):
+        with pytest.raises(ConfigError, match=message):
+            resume(value, script, **settings)
 
 
 # ------------------------------------------------------------------ shared memory

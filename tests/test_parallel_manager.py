@@ -13,8 +13,10 @@ import torch
 
 from common.envs import make_vec_env, play_episodes
 from common.envs.selfplay import MixturePlayer, opponent_mixture
-from common.manager import InferencePolicy, ManagerConfig, ParallelManager, WorkerSpec, split_by_transitions
+from common.manager_config import ManagerConfig, WorkerSpec
 from common.networks import QNetwork
+from common.parallel_manager import ParallelManager
+from common.rollout_worker import InferencePolicy, split_by_transitions
 from common.supervisor import WorkerConfigError, WorkerFailed
 
 HIDDEN = (16,)

@@ -19,10 +19,12 @@ from conftest import ROOT, script_env
 from manager_models import ActorCritic, BreaksInWorker, ReturnsDict, forcing, least_preferred
 from torch import nn
 
-import common.manager as manager_lib
 from common.envs import make_vec_env, play_episodes
-from common.manager import ManagerConfig, ParallelManager, WorkerSpec, sample_actions
+from common.manager_config import ManagerConfig, WorkerSpec
+from common.model_packing import pack_model, unpack_model
 from common.networks import QNetwork, SharedParams
+from common.parallel_manager import ModelSynchronizer, ParallelManager
+from common.rollout_worker import ExperienceBatch, sample_actions
 from common.shm import segments_of
 from common.supervisor import WorkerConfigError
 
@@ -127,9 +129,9 @@ def test_sample_actions_is_an_act_function_for_policies():
 def test_the_model_travels_without_its_weights():
     """What the workers get: the module by reference to its class, parameters as shapes only."""
     model = ActorCritic(84, 7)
-    data = manager_lib.pack_model(model, least_preferred)
+    data = pack_model(model, least_preferred)
     assert len(data) < 4 * sum(p.numel() for p in model.parameters())  # the weights are not in it
-    copy, act_fn = manager_lib.unpack_model(data)
+    copy, act_fn = unpack_model(data)
     assert type(copy) is ActorCritic and act_fn is least_preferred and not copy.training
     assert [p.shape for p in copy.parameters()] == [p.shape for p in model.parameters()]
     assert all((p == 0).all() for p in copy.parameters())  # filled from the weights slot in a worker
@@ -222,7 +224,7 @@ def test_a_class_of_an_interactive_main_is_refused(monkeypatch):
 def test_python_c_main_is_refused_for_real():
     code = textwrap.dedent("""
         from torch import nn
-        from common.manager import ParallelManager
+        from common.parallel_manager import ParallelManager
         class Net(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -247,7 +249,7 @@ def test_a_failure_inside_the_constructor_leaves_no_segment(monkeypatch):
     def broken_supervisor(*args, **kwargs):
         raise OSError("no more processes")
 
-    monkeypatch.setattr("common.manager.Supervisor", broken_supervisor)
+    monkeypatch.setattr("common.parallel_manager.Supervisor", broken_supervisor)
     with pytest.raises(OSError, match="no more processes"):
         ParallelManager(CARTPOLE, None, {"num_workers": 1}, model=ActorCritic(4, 2))
     assert segments_of(os.getpid()) == []
@@ -292,7 +294,7 @@ def test_a_manager_nobody_stopped_is_stopped_when_the_interpreter_exits():
     """The user's code fails between start_workers and its try: the workers and segments go at exit all the same."""
     code = textwrap.dedent("""
         import os
-        from common.manager import ParallelManager
+        from common.parallel_manager import ParallelManager
         m = ParallelManager({"env_id": "CartPole-v1"}, {"hidden_sizes": [8]}, {"num_workers": 1, "timeout": 30.0})
         m.start_workers(wait=True)
         print(os.getpid(), *m.pids(), flush=True)
@@ -330,7 +332,7 @@ def test_compression_is_refused_with_its_numbers_and_false_is_accepted():
     vec = make_vec_env("ConnectFour-v0", 16, 0, opponent="random")
     episodes, steps_taken = play_episodes(vec, lambda obs, masks: masks.argmax(axis=1), 16, record=True, seed=1)
     vec.close()
-    batch = manager_lib.ExperienceBatch(0, 1, 0.1, episodes, steps_taken, 0.0)
+    batch = ExperienceBatch(0, 1, 0.1, episodes, steps_taken, 0.0)
     data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
     assert len(data) > 8 * len(zlib.compress(data, 1))  # 66.9 kB -> 5.5 kB on the benchmark's batch
     with pytest.raises(ValueError, match=r"zlib costs more CPU than the bytes it saves .*66.9 kB -> 5.5 kB"):
@@ -341,7 +343,7 @@ def test_compression_is_refused_with_its_numbers_and_false_is_accepted():
 def test_should_sync_counts_a_sync_without_a_step_at_the_last_known_step():
     model = QNetwork(*_cartpole_spaces(), (8,))
     n = sum(p.numel() for p in model.parameters())
-    sync = manager_lib.ModelSynchronizer(SharedParams({"params": np.zeros((1, n), np.float32),
+    sync = ModelSynchronizer(SharedParams({"params": np.zeros((1, n), np.float32),
                                            "versions": np.zeros((1, 2), np.int64)}), model_sync_interval=10)
     sync.publish(model)  # no step known yet: counts as none
     assert sync.should_sync(3)

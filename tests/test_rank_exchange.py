@@ -1,4 +1,5 @@
-"""common/hub.py: rank 0 and actor ranks over torch.distributed point to point (3 gloo processes on a FileStore)."""
+"""common/rank_exchange.py: rank 0 and actor ranks over torch.distributed point to point (3 gloo processes on a
+FileStore)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import traceback
 import numpy as np
 import pytest
 
-from common.hub import Field, Schema, code_digest
+from common.rank_exchange import Field, Schema, code_digest
 
 SCHEMA = Schema({"obs": Field("uint8", (4, 4)), "actions": Field("int64", (), 0, 3, integral=True),
                  "rewards": Field("float32"), "dones": Field("bool")})
@@ -72,7 +73,7 @@ def _rank_main(rank: int, world: int, store_file: str, results) -> None:
     import torch.distributed as dist
 
     from common.distributed import PeerFailure, PeerRefused
-    from common.hub import Hub, Spoke
+    from common.rank_exchange import Hub, Spoke
 
     os.environ["PRL_COLLECTIVE_TIMEOUT_S"] = "10"
     try:
