@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -19,6 +21,11 @@ from conftest import ROOT, run_script, script_env
 
 import launch_parallel_training as launcher
 from common import system
+from common.config import ConfigError
+from common.launcher import plan, report
+from common.launcher.dependencies import EXTRAS
+from common.launcher.modes import MODES
+from common.launcher.plan import FDS_BASE, ULTRA_MIN_CORES, recommend
 
 LAUNCHER = "launch_parallel_training.py"
 GiB = 2**30
@@ -38,7 +45,7 @@ def converted(script: str) -> bool:
 
 
 def unconverted_mark(mode: str) -> list:
-    script = launcher.MODES[mode].script
+    script = MODES[mode].script
     return [] if converted(script) else [pytest.mark.xfail(reason=f"{script} has no MODE yet", run=False)]
 
 
@@ -60,11 +67,11 @@ def test_check_only_json_describes_this_machine():
     assert report["dependencies"]["torch_build"] == (f"CUDA {torch.version.cuda}" if torch.version.cuda
                                                      else "CPU only")
     rec = report["recommendation"]
-    assert rec["mode"] in launcher.MODES and rec["reason"]
-    assert set(report["plans"]) == set(launcher.MODES)
+    assert rec["mode"] in MODES and rec["reason"]
+    assert set(report["plans"]) == set(MODES)
     assert rec["memory"]["total_ram_bytes"] <= rec["memory"]["ram_budget_bytes"]
     assert rec["threads"] and rec["devices"]
-    assert report["command"][1].endswith(launcher.MODES[rec["mode"]].script)
+    assert report["command"][1].endswith(MODES[rec["mode"]].script)
 
 
 def test_check_only_imports_no_torch():
@@ -110,12 +117,12 @@ def test_json_alone_reports_and_starts_nothing(tmp_path):
     (machine(4, gpus=1), "dqn", {"device": "cuda:0", "num_workers": 3}),
 ])
 def test_recommendation_for_simulated_machines(facts, mode, expect):
-    rec = launcher.recommend(facts)
+    rec = recommend(facts)
     assert rec.mode == mode, rec.plan.reason
     assert rec.plan.reason and rec.plan.cannot_run is None and rec.plan.not_recommended is None
     for key, value in expect.items():
         assert rec.plan.settings[key] == value, (key, rec.plan.settings)
-    if facts.usable_cores < launcher.ULTRA_MIN_CORES:
+    if facts.usable_cores < ULTRA_MIN_CORES:
         assert "ultra" in rec.refused
     if facts.shm_free < 0.05 * GiB:
         assert "/dev/shm" in rec.refused["ultra"]
@@ -125,22 +132,22 @@ def test_recommendation_for_simulated_machines(facts, mode, expect):
 
 def test_advice_for_a_big_machine_bounds_workers_and_buffers_by_what_it_has():
     """Open files, RAM and /dev/shm each bound the plan, and each bound is said."""
-    rec = launcher.recommend(machine(128, gpus=1, files=256))
-    assert rec.mode == "ultra" and rec.plan.settings["num_workers"] == (256 - launcher.FDS_BASE) // 4
+    rec = recommend(machine(128, gpus=1, files=256))
+    assert rec.mode == "ultra" and rec.plan.settings["num_workers"] == (256 - FDS_BASE) // 4
     assert any("open-files limit allows" in w and "ulimit -n" in w for w in rec.warnings)
-    rec = launcher.recommend(machine(256, ram_gib=4))
+    rec = recommend(machine(256, ram_gib=4))
     assert rec.mode == "timed" and 1 <= rec.plan.settings["num_workers"] < 16
     assert any(w.startswith("RAM allows") for w in rec.warnings)
-    ultra = launcher.recommend(machine(128, gpus=1, shm_gib=0.0625)).plans["ultra"]
+    ultra = recommend(machine(128, gpus=1, shm_gib=0.0625)).plans["ultra"]
     assert "--buffer-size" in ultra.args and ultra.memory["replay_bytes"] <= 0.0625 * GiB
     assert any("/dev/shm" in w for w in ultra.warnings)
-    population = launcher.recommend(machine(256, gpus=8, ram_gib=512)).plan
+    population = recommend(machine(256, gpus=8, ram_gib=512)).plan
     assert population.mode == "ppo-multiprocess" and "round robin over 8 GPUs" in population.devices
     assert population.settings["num_workers"] == 255 and population.threads == {"per_worker": 1}
-    population = launcher.recommend(machine(256, gpus=8, ram_gib=64)).plan  # a CUDA worker needs ~768 MiB
+    population = recommend(machine(256, gpus=8, ram_gib=64)).plan  # a CUDA worker needs ~768 MiB
     assert population.settings["num_workers"] == 67 and population.threads == {"per_worker": 3}
-    assert launcher.recommend(machine(256, gpus=1)).plan.threads == {"per_actor": 1, "learner": 1}
-    dqn_on_4_gpus = launcher.recommend(machine(64, gpus=4)).plans["dqn"]
+    assert recommend(machine(256, gpus=1)).plan.threads == {"per_actor": 1, "learner": 1}
+    dqn_on_4_gpus = recommend(machine(64, gpus=4)).plans["dqn"]
     assert any("cuda:0; 3 more GPUs would stay idle" in w for w in dqn_on_4_gpus.warnings)
 
 
@@ -159,7 +166,7 @@ def test_assume_facts_replaces_the_measured_facts_for_the_launcher():
 
 
 @pytest.mark.parametrize("facts_file", [
-    pytest.param(f, id=f.stem, marks=unconverted_mark(launcher.recommend(
+    pytest.param(f, id=f.stem, marks=unconverted_mark(recommend(
         system.with_facts(system.measure(), system.read_facts_file(f))).mode)) for f in MACHINE_FILES])
 def test_dry_run_on_each_machine_file_prints_a_command_that_validates(facts_file, tmp_path):
     """The printed command, run with --validate-only under the same facts, exits 0."""
@@ -210,7 +217,7 @@ def test_dry_run_prints_the_translated_command(mode, extra, expected):
     (["--assume-facts", "bad_facts.json", "--tune"], 2, "--tune measures this machine"),
 ])
 def test_bad_input_exits_with_one_clear_line(argv, status, message, tmp_path):
-    if argv[:2] == ["--mode", "ultra"] and os.cpu_count() >= launcher.ULTRA_MIN_CORES:
+    if argv[:2] == ["--mode", "ultra"] and os.cpu_count() >= ULTRA_MIN_CORES:
         pytest.skip("this machine has enough cores for the ultra mode")
     (tmp_path / "bad_facts.json").write_text('{"cores": 64}')
     result = run_script(LAUNCHER, *argv, cwd=tmp_path, timeout=60)
@@ -220,33 +227,81 @@ def test_bad_input_exits_with_one_clear_line(argv, status, message, tmp_path):
 
 
 def test_missing_package_exits_1_with_how_to_install(monkeypatch, capsys):
-    real = launcher.importlib.metadata.version
+    real = importlib.metadata.version
 
     def version(name):
         if name == "tqdm":
-            raise launcher.importlib.metadata.PackageNotFoundError(name)
+            raise importlib.metadata.PackageNotFoundError(name)
         return real(name)
 
-    monkeypatch.setattr(launcher.importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.metadata, "version", version)
     assert launcher.main(["--check-only"]) == 1
     assert "missing or wrong version: tqdm -> pip install -r requirements.txt" in capsys.readouterr().out
     assert launcher.main(["--mode", "timed"]) == 1
     assert "missing required packages: tqdm" in capsys.readouterr().err
 
 
+WITHOUT_NUMPY = """
+import importlib.metadata, json, sys
+sys.modules["numpy"] = None  # import numpy fails, as where it is not installed
+real = importlib.metadata.version
+
+def version(name):
+    if name == "numpy":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return real(name)
+
+importlib.metadata.version = version
+import launch_parallel_training as launcher
+sys.exit(launcher.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv, stream, expected", [
+    (["--check-only"], "stdout", "none: the training scripts need the missing packages (pip install -r requirements"),
+    (["--json"], "stdout", '"recommendation": null'),
+    (["--mode", "timed", "--dry-run"], "stderr", "error: missing required packages: numpy (pip install -r"),
+])
+def test_a_package_the_scripts_import_is_missing_the_report_says_so_and_plans_nothing(argv, stream, expected):
+    """The plans import the training scripts; without numpy they cannot, and the launcher reports instead."""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY, *argv], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert expected in getattr(result, stream), result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_default_env_that_cannot_be_made_here_is_not_recommended(monkeypatch):
+    """Without Box2D the timed mode's LunarLander-v3 cannot be made: the mode needs --force (and another
+    --env-id), and the recommendation goes elsewhere."""
+    real = plan.default_env
+
+    def default_env(name):
+        if name == "timed":
+            raise ConfigError("env_id", "LunarLander-v3", "cannot create it (No module named 'Box2D')")
+        return real(name)
+
+    monkeypatch.setattr(plan, "default_env", default_env)
+    rec = recommend(machine(2))
+    timed = rec.plans["timed"]
+    assert timed.cannot_run is None and "LunarLander-v3" in timed.not_recommended
+    assert rec.mode == "dqn" and rec.plan.reason.startswith("timed: its default env: --env-id 'LunarLander-v3'")
+    report.print_plan(dataclasses.asdict(timed))  # a plan without buffers prints too
+
+
 def test_every_extra_is_listed_where_its_install_hint_says():
-    for extra in launcher.EXTRAS:
+    for extra in EXTRAS:
         lines = (ROOT / extra["file"]).read_text().splitlines()
         listed = {re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", line).group(0) for line in lines
                   if line.strip() and not line.startswith("#")}
         assert set(extra["packages"]) <= listed, (extra["extra"], extra["file"])
-    optional = {extra["extra"] for extra in launcher.EXTRAS if extra["file"] == "requirements-extras.txt"}
+    optional = {extra["extra"] for extra in EXTRAS if extra["file"] == "requirements-extras.txt"}
     assert optional == {"onnx", "moviepy", "ale-py", "mujoco"}
 
 
 def test_missing_extra_says_what_it_enables_and_how_to_install(monkeypatch, capsys):
-    real = launcher.importlib.util.find_spec
-    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: None if name == "ale_py" else real(name))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ale_py" else real(name))
     assert launcher.main(["--check-only"]) == 0
     out = capsys.readouterr().out
     assert ("extra ale-py  -> Atari ids such as ALE/Pong-v5 (configs/atari_*.yaml): not installed "

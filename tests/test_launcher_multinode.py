@@ -21,8 +21,10 @@ import time
 import pytest
 from conftest import ROOT, run_script, script_env
 
-import launch_parallel_training as launcher
 from common import system
+from common.launcher.command import flag_value
+from common.launcher.modes import MODES
+from common.launcher.multinode import RESTART_ENV
 
 LAUNCHER = "launch_parallel_training.py"
 MACHINES = ROOT / "configs" / "machines"
@@ -53,13 +55,13 @@ def options(words: list[str]) -> dict[str, str]:
 def split_command(command: str) -> tuple[list[str], list[str]]:
     """(torchrun and its options, the script and its flags)."""
     words = shlex.split(command)
-    words = words[1:] if words[0] == launcher.RESTART_ENV else words
+    words = words[1:] if words[0] == RESTART_ENV else words
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))
     return words[:script], words[script:]
 
 
 def flag(words: list[str], name: str) -> str | None:
-    return launcher._flag_value(words, name)
+    return flag_value(words, name)
 
 
 @pytest.mark.timeout(60)
@@ -68,16 +70,16 @@ def flag(words: list[str], name: str) -> str | None:
 def test_each_node_gets_a_torchrun_command_with_the_plans_flags(mode, nnodes, tmp_path):
     facts, select = CASES[mode]
     report = multinode_json(facts, "--nnodes", nnodes, *select, cwd=tmp_path)
-    multinode, plan, script_name = report["multinode"], report["plans"][mode], launcher.MODES[mode].script
+    multinode, plan, script_name = report["multinode"], report["plans"][mode], MODES[mode].script
     assert report["selected"] == mode and report["command"] is None  # --nnodes runs nothing here
     assert multinode["nnodes"] == nnodes and multinode["nproc_per_node"] == 1
     assert multinode["world_size"] == nnodes and multinode["nproc_reason"].startswith("one rank per node")
     rdzv_id = multinode["rdzv_id"]
     assert re.fullmatch(rf"prl-{mode}-\d{{8}}", rdzv_id)
     # --max-restarts 3 by default: restarts across nodes need torch's shared store off (pytorch#135712)
-    assert all(c.startswith(launcher.RESTART_ENV + " torchrun ") for c in multinode["commands"])
-    assert f"export {launcher.RESTART_ENV}" in multinode["slurm"]
-    env_id = launcher.MODES[mode].default_env
+    assert all(c.startswith(RESTART_ENV + " torchrun ") for c in multinode["commands"])
+    assert f"export {RESTART_ENV}" in multinode["slurm"]
+    env_id = MODES[mode].default_env
     run_dir = f"runs/{script_name[:-3]}/{env_id}__1__{rdzv_id}"
     assert multinode["output_dir"] == run_dir
     assert len(multinode["commands"]) == nnodes
@@ -289,7 +291,7 @@ def run_nodes(commands: list[str], cwd) -> list[subprocess.CompletedProcess]:
     try:
         for command in commands:
             words = shlex.split(command)
-            variable, value = words.pop(0).split("=") if words[0] == launcher.RESTART_ENV else ("_", "")
+            variable, value = words.pop(0).split("=") if words[0] == RESTART_ENV else ("_", "")
             procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:]], cwd=cwd,
                                           env={**script_env(), variable: value}, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))

@@ -6,7 +6,8 @@ validation (``common.run.prepare``, in this process, with the machine's facts as
 run it describes must fit: workers within the cores, buffers within RAM and /dev/shm, the
 coordinator's open files within the limit. A forced mode may instead be refused by the launcher,
 with a reason. Buffer sizes are computed here from the script's resolved config and the env's real
-observation space, not taken from the launcher's plan.
+observation space, with the functions the scripts allocate them with, not taken from the launcher's plan;
+and on a roomy machine the plan's own numbers must be exactly these.
 
 Validations are deduplicated exactly: a script's validation is a function of its argv and of the
 machine facts it reads, so each outcome is stored with the facts it read and reused for every
@@ -17,18 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import io
 import itertools
 import math
-from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT
 
 import launch_parallel_training as launcher
 from common import run, system
 from common.config import ConfigError
+from common.launcher.command import build_command
+from common.launcher.modes import MODES, script_module
+from common.launcher.plan import CUDA_HOST_RSS, WORKER_RSS, Plan, recommend
+from common.replay import replay_bytes, storage_dtype
+from common.replay_shm import ReplayLayout
+from common.rollout import rollout_layout
 
 MiB, GiB = 2**20, 2**30
 CORES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -61,7 +67,7 @@ def converted(script: str) -> bool:
 def mode_params() -> list:
     """One parameter per mode; a script not yet on common.run (no MODE) is expected to fail."""
     params = []
-    for name, mode in launcher.MODES.items():
+    for name, mode in MODES.items():
         marks = [] if converted(mode.script) else [pytest.mark.xfail(
             reason=f"{mode.script} has no MODE yet (not on common.run)", run=False)]
         params.append(pytest.param(name, marks=marks, id=name))
@@ -131,14 +137,13 @@ class Validator:
 
     def _validate(self, mode: str, argv: list[str], machine: system.Machine) -> Outcome:
         self.calls += 1
-        module = importlib.import_module(Path(launcher.MODES[mode].script).stem)
         recording = RecordingMachine(**{f.name: getattr(machine, f.name) for f in dataclasses.fields(machine)})
         object.__setattr__(recording, "reads", set())
         stderr = io.StringIO()
         cfg = env = None
         with system.assumed_machine(recording), contextlib.redirect_stderr(stderr):
             try:
-                cfg, env, *_ = run.prepare(module.MODE, [*argv, "--validate-only"])
+                cfg, env, *_ = run.prepare(script_module(mode).MODE, [*argv, "--validate-only"])
                 status, message = 0, ""
             except ConfigError as err:
                 status, message = 2, str(err)
@@ -153,29 +158,29 @@ def validator() -> Validator:
     return Validator()
 
 
-def command_argv(mode: str, plan: launcher.Plan) -> list[str]:
+def command_argv(mode: str, plan: Plan) -> list[str]:
     """The script's argv as the launcher would exec it (a fixed --output-dir, so argv repeat)."""
     opts, passthrough = launcher.parse_args(["--mode", mode, "--output-dir", "/nonexistent/prl-shapes"])
-    command = launcher.build_command(launcher.MODES[mode], plan.args, opts, passthrough, None)
-    assert command[1].endswith(launcher.MODES[mode].script)
+    command = build_command(MODES[mode], plan.args, opts, passthrough, None)
+    assert command[1].endswith(MODES[mode].script)
     return command[2:]
 
 
-def obs_bytes(env) -> int:
-    return 4 * math.prod(env.observation_space.shape)
-
-
 def buffers(mode: str, cfg, env) -> tuple[int, int]:
-    """(bytes in /dev/shm, bytes in process memory) of the run's big arrays, from its resolved config."""
+    """(bytes in /dev/shm, bytes in process memory) of the run's big arrays, from its resolved config and
+    with the layouts the scripts allocate them with."""
+    space = env.observation_space
     if mode == "timed":
-        samples = cfg.n_steps * max(1, cfg.num_workers) * cfg.num_envs_per_worker
-        rollout = samples * (obs_bytes(env) + 8 + 6 * 4)
+        layout = rollout_layout(cfg.n_steps, cfg.total_envs, space, env.action_space)
+        rollout = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         return rollout, rollout  # the shared rollout, and the learner's batch built from it
-    if mode in ("ultra", "dqn"):  # obs and next obs; action, reward, done, discount, priority, sequence, mask
-        replay = cfg.buffer_size * (2 * obs_bytes(env) + 40 + (env.action_space.n if env.action_mask else 0))
-        return (replay, 0) if mode == "ultra" else (0, replay)
-    cache = cfg.num_items * cfg.history_steps * 2 * 4 if cfg.env_id == "Market-v0" else 0
-    return cache, 0
+    if mode == "ultra":
+        return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name,
+                            cfg.prioritized).nbytes(), 0
+    if mode == "dqn":
+        masks = int(env.action_space.n) if env.action_mask else None
+        return 0, replay_bytes(cfg.buffer_size, space.shape, storage_dtype(space), masks)
+    return (env.extra["data"].nbytes if cfg.env_id == "Market-v0" else 0), 0  # the market cache
 
 
 def check_fits(mode: str, machine: system.Machine, outcome: Outcome, what: str) -> None:
@@ -188,7 +193,7 @@ def check_fits(mode: str, machine: system.Machine, outcome: Outcome, what: str) 
     shm, private = buffers(mode, cfg, outcome.env)
     assert shm <= machine.shm_free, f"{what}: {shm} bytes of /dev/shm, {machine.shm_free} free"
     gpu_workers = workers if mode == "ppo-multiprocess" and machine.gpus else 0
-    processes = (workers + 1) * launcher.WORKER_RSS + gpu_workers * launcher.CUDA_HOST_RSS
+    processes = (workers + 1) * WORKER_RSS + gpu_workers * CUDA_HOST_RSS
     ram = shm + private + processes
     assert ram <= system.RAM_HEADROOM * machine.ram_available, \
         f"{what}: {ram / GiB:.1f} GiB planned, {machine.ram_available / GiB:.1f} GiB available"
@@ -196,7 +201,7 @@ def check_fits(mode: str, machine: system.Machine, outcome: Outcome, what: str) 
     assert files <= machine.open_files_limit, f"{what}: ~{files} open files, limit {machine.open_files_limit}"
 
 
-def check_command(mode: str, plan: launcher.Plan, machine: system.Machine, validator: Validator,
+def check_command(mode: str, plan: Plan, machine: system.Machine, validator: Validator,
                   what: str) -> None:
     outcome = validator(mode, command_argv(mode, plan), machine)
     assert outcome.status == 0, f"{what}: {' '.join(plan.args)} -> exit {outcome.status}: {outcome.message}"
@@ -213,7 +218,7 @@ def describe(m: system.Machine) -> str:
 def test_recommended_command_validates_and_fits(mode, validator):
     chosen = 0
     for machine in SHAPES:
-        rec = launcher.recommend(machine)
+        rec = recommend(machine)
         if rec.mode != mode:
             continue
         chosen += 1
@@ -227,7 +232,7 @@ def test_recommended_command_validates_and_fits(mode, validator):
 def test_forced_mode_validates_or_is_refused_with_a_reason(mode, validator):
     refused = 0
     for machine in SHAPES:
-        plan = launcher.recommend(machine).plans[mode]
+        plan = recommend(machine).plans[mode]
         if plan.cannot_run:
             assert len(plan.cannot_run) > 20, plan.cannot_run
             refused += 1
@@ -237,18 +242,29 @@ def test_forced_mode_validates_or_is_refused_with_a_reason(mode, validator):
 
 
 def test_every_shape_gets_a_recommendation_that_runs():
-    modes = {launcher.recommend(m).mode for m in SHAPES}
-    assert modes == set(launcher.MODES), modes  # every rule of recommend() is exercised by the grid
+    modes = {recommend(m).mode for m in SHAPES}
+    assert modes == set(MODES), modes  # every rule of recommend() is exercised by the grid
+
+
+PLAN_BUFFERS = {"timed": "rollout", "dqn": "replay", "ultra": "replay", "ppo-multiprocess": "cache"}
 
 
 @pytest.mark.parametrize("mode", mode_params())
-def test_the_launchers_model_of_each_script_matches_the_script(mode, validator):
-    """The memory plan counts on script defaults and the default env's observation size: both must be true."""
-    spec = launcher.MODES[mode]
+def test_the_plan_is_what_the_script_runs_with(mode, validator):
+    """The plan reads the script's declaration (its config's defaults, its env) and sizes buffers with the
+    script's own formulas: on a machine with room to spare, every setting it reports is the validated
+    config's, and its buffer is exactly what the script allocates."""
     roomy = system.Machine(16, 16, 16, 64 * GiB, 60 * GiB, 32 * GiB, 32 * GiB, (), 65536, "spawn", ("all",))
-    outcome = validator(mode, ["--output-dir", "/nonexistent/prl-shapes"], roomy)
+    plan = recommend(roomy).plans[mode]
+    outcome = validator(mode, command_argv(mode, plan), roomy)
     assert outcome.status == 0, outcome.message
-    assert outcome.cfg.env_id == spec.default_env
-    assert math.prod(outcome.env.observation_space.shape) == spec.obs_floats
-    for name, value in spec.defaults.items():
-        assert getattr(outcome.cfg, name) == value, f"{spec.script}: {name} is {getattr(outcome.cfg, name)!r}"
+    cfg = outcome.cfg
+    assert cfg.env_id == MODES[mode].default_env
+    for name, value in plan.settings.items():
+        if name == "device":  # the plan says where the learner will be: the script's device, resolved
+            with system.assumed_machine(roomy):
+                assert system.resolve_device(cfg.device) == value
+        elif name != "split":
+            assert getattr(cfg, name) == value, f"{MODES[mode].script}: {name} is {getattr(cfg, name)!r}, not {value!r}"
+    shm, private = buffers(mode, cfg, outcome.env)
+    assert plan.memory[f"{PLAN_BUFFERS[mode]}_bytes"] == (shm or private)  # in /dev/shm, or the DQN learner's own

@@ -1,0 +1,352 @@
+"""A plan per mode for this machine, and the recommendation: a pure function of the machine's facts.
+
+Each planner reads its script's declaration (:mod:`.modes`: the config's defaults, the default
+env's spaces) and sizes the run's buffers with the very functions the script allocates them with:
+``common.rollout.rollout_layout`` for the timed mode's shared rollout, ``common.replay.replay_bytes``
+for the DQN learner's local replay, ``common.replay_shm.ReplayLayout`` for the ultra mode's
+shared one. What the launcher adds is its own model of a process (the RSS constants below) and
+the rules that choose workers, threads and devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from common import system
+from common.config import ConfigError
+from common.launcher.modes import MODES, default_buffer, default_env, script_defaults
+
+MiB, GiB = 2**20, 2**30
+
+# What the memory plan counts on (measured on the 2-core development machine, rounded up).
+WORKER_RSS = 256 * MiB  # one worker process: interpreter, numpy, torch, its envs (226-230 MiB PSS measured)
+MAIN_RSS = 512 * MiB  # the coordinator / learner process, with logs and TensorBoard
+CUDA_HOST_RSS = 512 * MiB  # host memory a CUDA context adds to a process
+POPULATION_VRAM = 1 * GiB  # GPU memory of one population worker: CUDA context, small nets, PPO batches
+GPU_MEMORY_SHARE = 0.85  # plan to use at most this share of a GPU's memory
+RAM_SHARE = system.RAM_HEADROOM  # and of the RAM available now (shared memory counts as RAM too)
+SHM_SHARE = 0.9  # and of /dev/shm's free space
+FDS_BASE = 128  # open files of a run before its workers (logs, TensorBoard, shared-memory segments)
+FDS_PER_WORKER = 4  # the coordinator's pipe and process sentinel per worker (3 measured)
+ULTRA_MIN_CORES = 8  # fewer, and the learner starves the asynchronous actors
+MIN_REPLAY = 10_000  # the smallest replay buffer worth running the DQN modes with
+
+
+@dataclass
+class Plan:
+    """How one mode would run on this machine: its flags, threads, devices and memory."""
+
+    mode: str
+    args: list[str]  # flags for the script: only what differs from its defaults
+    settings: dict  # what the run will use (the flags and the defaults the plan relies on)
+    threads: dict  # torch threads per process
+    devices: str  # where the learner(s) and workers run
+    memory: dict  # bytes: buffers, cache, per-process RSS, the total against the budget
+    reason: str = ""  # why this mode suits this machine
+    not_recommended: str | None = None  # the launcher asks for --force
+    cannot_run: str | None = None  # the launcher refuses it, --force or not
+    warnings: list[str] = field(default_factory=list)
+
+
+def fit_workers(m: system.Machine, wanted: int, per_worker: int, fixed: int, what: str = "workers",
+                per_gpu: int | None = None) -> tuple[int, list[str]]:
+    """The most workers, up to ``wanted``, whose RAM, GPU memory and open files fit; and what bounded them."""
+    limits = {"RAM": int((RAM_SHARE * m.ram_available - fixed) // per_worker),
+              "the open-files limit": (m.open_files_limit - FDS_BASE) // FDS_PER_WORKER}
+    if per_gpu and m.gpus:
+        limits["GPU memory"] = sum(int(GPU_MEMORY_SHARE * g.memory // per_gpu) for g in m.gpus)
+    count = max(0, min(wanted, *limits.values()))
+    notes = []
+    for name, limit in limits.items():
+        if limit < wanted:
+            hint = f" (ulimit -n {FDS_BASE + FDS_PER_WORKER * wanted} for {wanted})" if name.startswith("the") else ""
+            notes.append(f"{name} allows {max(0, limit)} {what}, not {wanted}{hint}")
+    return count, notes
+
+
+def memory_plan(m: system.Machine, workers: int, per_worker: int, main: int, buffers: dict[str, int],
+                shm_keys: tuple[str, ...] = ()) -> dict:
+    """Bytes of every buffer, the per-process estimates, and the totals against RAM and /dev/shm."""
+    shm = sum(buffers[k] for k in shm_keys)
+    total = main + workers * per_worker + sum(buffers.values())
+    return {**{f"{k}_bytes": v for k, v in buffers.items()}, "per_worker_rss_bytes": per_worker,
+            "main_rss_bytes": main, "total_ram_bytes": total, "ram_budget_bytes": int(RAM_SHARE * m.ram_available),
+            "shm_bytes": shm, "shm_free_bytes": m.shm_free}
+
+
+# --------------------------------------------------------------------------- the timed mode
+
+def rollout_bytes(n_steps: int, num_envs: int, env) -> int:
+    """Bytes of one shared rollout of train_parallel_timed.py (``n_steps`` x ``num_envs``), as it allocates it."""
+    import numpy as np
+
+    from common.rollout import rollout_layout
+
+    layout = rollout_layout(n_steps, num_envs, env.observation_space, env.action_space)
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+
+
+def plan_timed(m: system.Machine) -> Plan:
+    mode, d, env = MODES["timed"], script_defaults("timed"), default_env("timed")
+    per_worker_rollout = rollout_bytes(d.n_steps, d.num_envs_per_worker, env)
+
+    def rollout(workers: int) -> int:  # every array of a rollout has a column per env
+        return max(1, workers) * per_worker_rollout
+
+    # Lockstep workers wait for the slowest, and two on one core's hyperthreads slow each other: one per core.
+    wanted = min(m.usable_cores, m.physical_cores) if m.usable_cores > 1 else 0
+    per_worker = WORKER_RSS + 2 * rollout(1)  # its share of the shared rollout and of the learner's batch
+    workers, notes = fit_workers(m, wanted, per_worker, MAIN_RSS + 2 * rollout(0))
+    by_shm = int(SHM_SHARE * m.shm_free // rollout(1))
+    if by_shm < workers:
+        notes.append(f"/dev/shm holds the rollout of {by_shm} workers, not {workers}")
+        workers = by_shm
+    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, {"rollout": rollout(workers), "batch": rollout(workers)},
+                         ("rollout",))
+    plan = Plan("timed", [mode.workers_flag, str(workers)],
+                {"num_workers": workers, "num_envs_per_worker": d.num_envs_per_worker, "n_steps": d.n_steps,
+                 "device": d.device},
+                {"per_worker": 1, "learner": d.torch_threads},
+                "learner and workers on the CPU (a 64-wide MLP updates fastest there)", memory,
+                warnings=notes)
+    if memory["total_ram_bytes"] > memory["ram_budget_bytes"] or memory["shm_bytes"] > m.shm_free:
+        plan.cannot_run = (f"even the sequential run needs {system.format_bytes(memory['total_ram_bytes'])} of RAM "
+                           f"and {system.format_bytes(memory['shm_bytes'])} of /dev/shm")
+    cores = (f"{m.usable_cores} cores ({m.physical_cores} physical)" if m.physical_cores < m.usable_cores
+             else f"{m.usable_cores} core{'s' * (m.usable_cores > 1)}")
+    per_core = " (one per physical core)" if workers == wanted else ""
+    who = (f"{workers} worker processes{per_core} in lockstep" if workers > 1 else
+           "1 worker process" if workers else "its envs in the main process (no worker processes)")
+    plan.reason = (f"{cores}, no GPU needed: synchronous PPO steps {who} and updates on the CPU, where a small "
+                   "network learns fastest")
+    return plan
+
+
+# --------------------------------------------------------------------------- the DQN modes
+
+@dataclass
+class ReplayBudget:
+    """Workers and replay capacity of a DQN mode: the replay first (up to half the RAM budget, and in
+    /dev/shm where it lives there), then as many workers as the rest holds."""
+
+    workers: int
+    buffer: int
+    main: int  # bytes of the learner process
+    notes: list[str]
+
+    def refusal(self, what: str) -> str | None:
+        if self.workers >= 1 and self.buffer >= MIN_REPLAY:
+            return None
+        return (f"room for {self.workers} {what} and a replay of {self.buffer} transitions "
+                f"({'; '.join(self.notes)}), it needs 1 and {MIN_REPLAY} transitions")
+
+
+def replay_budget(m: system.Machine, name: str, transition: int, wanted: int, in_shm: bool,
+                  what: str) -> ReplayBudget:
+    """The replay capacity and workers of DQN mode ``name`` on ``m``; ``transition`` is the bytes of one
+    transition of its replay, as the script counts them when it fits its buffer to the machine."""
+    default = default_buffer(name)
+    main = MAIN_RSS + (CUDA_HOST_RSS if m.gpus else 0)
+    room, why = (RAM_SHARE * m.ram_available - main) / 2, "half the RAM budget"
+    if in_shm and SHM_SHARE * m.shm_free < room:
+        room, why = SHM_SHARE * m.shm_free, "/dev/shm (docker: --shm-size=8g)"
+    buffer, notes = default, []
+    if default * transition > room:
+        buffer = max(0, int(room // transition) // 1000 * 1000)
+        notes.append(f"replay buffer bounded to {buffer} transitions ({system.format_bytes(buffer * transition)}) "
+                     f"by {why}")
+    workers, limits = fit_workers(m, wanted, WORKER_RSS, main + buffer * transition, what)
+    return ReplayBudget(workers, buffer, main, notes + limits)
+
+
+def idle_gpus(m: system.Machine) -> list[str]:
+    """A single learner uses one GPU; say so where there are more."""
+    if len(m.gpus) < 2:
+        return []
+    others = len(m.gpus) - 1
+    return [f"the learner uses cuda:0; {others} more GPU{'s' * (others > 1)} would stay idle "
+            "(the ppo-multiprocess population spreads its workers over all of them)"]
+
+
+def replay_flags(name: str, budget: ReplayBudget, device: str | None = None) -> list[str]:
+    """The worker count; a device and a replay size only where they differ from the script's defaults."""
+    args = [MODES[name].workers_flag, str(max(1, budget.workers))]
+    if device is not None and device != script_defaults(name).device:
+        args += ["--device", device]
+    if budget.buffer != default_buffer(name):
+        args += ["--buffer-size", str(budget.buffer)]
+    return args
+
+
+def shared_replay_bytes(capacity: int, actors: int, env, prioritized: bool) -> int:
+    """Bytes of ultra_parallel_train_dqn.py's shared replay, ``capacity`` slots split among ``actors``, as it
+    allocates them."""
+    from common.replay import storage_dtype
+
+    space = env.observation_space
+    return _replay_layout_bytes(capacity, actors, space.shape, storage_dtype(space).name, prioritized)
+
+
+@functools.cache  # the plans of many machines share their sizes (tests/test_launcher_shapes.py plans thousands)
+def _replay_layout_bytes(capacity: int, actors: int, obs_shape: tuple[int, ...], obs_dtype: str,
+                         prioritized: bool) -> int:
+    from common.replay_shm import ReplayLayout
+
+    return int(ReplayLayout(capacity, actors, obs_shape, obs_dtype, prioritized).nbytes())
+
+
+def plan_ultra(m: system.Machine) -> Plan:
+    d, env = script_defaults("ultra"), default_env("ultra")
+    gpu, cores = bool(m.gpus), m.usable_cores
+    learner_threads = 1 if gpu else max(1, min(8, cores // 4))  # a GPU learner needs one core to feed it
+    # and one core stays for the system and the bookkeeping
+    budget = replay_budget(m, "ultra", shared_replay_bytes(1, 1, env, d.prioritized),
+                           max(1, cores - learner_threads - 1), in_shm=True, what="actors")
+    actors, buffer = budget.workers, budget.buffer
+    burst = d.n_step * d.num_envs_per_worker  # each actor's replay share must hold one vector step's output
+    if actors and buffer // actors < burst:
+        actors = budget.workers = buffer // burst
+        budget.notes.append(f"a replay of {buffer} transitions holds {actors} actors' shares")
+    args = replay_flags("ultra", budget)  # the script's device "auto" puts the learner on the GPU
+    device = "cuda:0" if gpu else "cpu"
+    replay = shared_replay_bytes(buffer, max(1, actors), env, d.prioritized)
+    memory = memory_plan(m, actors, WORKER_RSS, budget.main, {"replay": replay}, ("replay",))
+    # fp32 by default: at these networks' sizes autocast measured slower on an H200 (common.dqn.resolve_precision)
+    precision = ("fp32; bf16 autocast" if float(m.gpus[0].capability) >= 8.0 else "fp32; fp16 with a GradScaler") \
+        if gpu else "fp32"
+    plan = Plan("ultra", args, {"num_workers": actors, "num_envs_per_worker": d.num_envs_per_worker,
+                                "buffer_size": buffer, "device": device,
+                                "split": f"{actors} actor processes, 1 learner ({learner_threads} thread(s))"},
+                {"per_actor": 1, "learner": learner_threads},
+                f"learner on {device} ({precision} possible, --mixed-precision); actors act on the CPU", memory,
+                warnings=budget.notes + idle_gpus(m), cannot_run=budget.refusal("actors"))
+    if plan.cannot_run is None and cores < ULTRA_MIN_CORES:
+        plan.not_recommended = (f"{cores} cores: asynchronous actors and a learner need at least {ULTRA_MIN_CORES} "
+                                "cores, or the learner starves the actors")
+    plan.reason = (f"{cores} cores{' and a GPU' if gpu else ''}: {actors} asynchronous actors keep the replay full "
+                   f"while the {'GPU' if gpu else 'CPU'} learner trains")
+    return plan
+
+
+def local_replay_bytes(capacity: int, env) -> int:
+    """Bytes of parallel_train_dqn.py's replay in the learner's process (with next-action masks where the env
+    masks actions), as it allocates it."""
+    from common.replay import replay_bytes, storage_dtype
+
+    space, masks = env.observation_space, int(env.action_space.n) if env.action_mask else None
+    return int(replay_bytes(capacity, space.shape, storage_dtype(space), masks))
+
+
+def plan_dqn(m: system.Machine) -> Plan:
+    d, env = script_defaults("dqn"), default_env("dqn")
+    cores = m.usable_cores
+    learner_threads = 1 if m.gpus or cores < 4 else 2
+    budget = replay_budget(m, "dqn", local_replay_bytes(1, env), max(1, cores - learner_threads), in_shm=False,
+                           what="workers")
+    workers = budget.workers
+    device = "cuda:0" if m.gpus else d.device
+    memory = memory_plan(m, workers, WORKER_RSS, budget.main, {"replay": local_replay_bytes(budget.buffer, env)})
+    plan = Plan("dqn", replay_flags("dqn", budget, device),
+                {"num_workers": workers, "buffer_size": budget.buffer, "device": device},
+                {"per_worker": 1, "learner": learner_threads},
+                f"learner on {device}; rollout workers act on the CPU and send whole episodes", memory,
+                warnings=budget.notes + idle_gpus(m), cannot_run=budget.refusal("workers"))
+    plan.reason = (f"{cores} cores{' and a GPU' if m.gpus else ''}: {workers} rollout processes feed one "
+                   f"{'GPU' if m.gpus else 'CPU'} learner; nothing large goes through /dev/shm")
+    return plan
+
+
+# --------------------------------------------------------------------------- the population
+
+def plan_population(m: system.Machine) -> Plan:
+    mode, d, gpus = MODES["ppo-multiprocess"], script_defaults("ppo-multiprocess"), len(m.gpus)
+    # The default Market-v0's history in shared memory (common.envs.market.MarketData: float32 prices and
+    # volumes, one row per item): counted, not measured, since making the env builds the history (seconds).
+    cache = d.num_items * d.history_steps * 2 * 4
+    per_worker = WORKER_RSS + (CUDA_HOST_RSS if gpus else 0)
+    # One core stays for the coordinator; each worker's GPU memory counts too.
+    workers, notes = fit_workers(m, max(1, m.usable_cores - 1), per_worker, MAIN_RSS + cache, per_gpu=POPULATION_VRAM)
+    threads = max(1, m.usable_cores // max(1, workers))
+    # The script's device "auto" puts image (CNN) policies on the GPUs and MLP policies, the default
+    # market's among them, on the CPU, where they measured faster; the memory plan still counts the GPUs.
+    if gpus:
+        on_gpus = (f"round robin over {gpus} GPUs: worker i on cuda:(i mod {gpus}), "
+                   f"{math.ceil(max(1, workers) / gpus)} per GPU" if gpus > 1 else "every worker on cuda:0")
+        devices = (f"MLP policies (the default {d.env_id}'s) on the CPU, where they train faster; "
+                   f"image policies {on_gpus}")
+    else:
+        devices = "every worker on the CPU"
+    memory = memory_plan(m, workers, per_worker, MAIN_RSS, {"cache": cache}, ("cache",))
+    plan = Plan("ppo-multiprocess", [mode.workers_flag, str(max(1, workers))],
+                {"num_workers": workers, "num_envs_per_worker": d.num_envs_per_worker,
+                 "device": "cpu"},  # what the script's device "auto" picks for the default env's MLP policy
+                {"per_worker": threads}, devices, memory, warnings=notes)
+    if workers < 1:
+        plan.cannot_run = "not enough RAM or GPU memory for one worker"
+    elif cache > SHM_SHARE * m.shm_free:
+        plan.cannot_run = (f"the market cache needs {system.format_bytes(cache)} of /dev/shm, "
+                           f"{system.format_bytes(m.shm_free)} free (docker: --shm-size=8g)")
+    plan.reason = (f"{gpus} GPUs: a population of {workers} independent agents, one per core; image policies "
+                   "spread round robin over the GPUs" if gpus > 1
+                   else f"a population of {workers} independent agents, one per core")
+    return plan
+
+
+# --------------------------------------------------------------------------- the recommendation
+
+PLANNERS = {"timed": plan_timed, "dqn": plan_dqn, "ultra": plan_ultra, "ppo-multiprocess": plan_population}
+
+
+def plan_mode(m: system.Machine, name: str) -> Plan:
+    """The mode's plan; where its default env cannot be made here, a plan that needs --force (and the user's
+    own --env-id) and says why."""
+    try:
+        return PLANNERS[name](m)
+    except ConfigError as err:  # from default_env: an extra the env needs is missing (Box2D for LunarLander-v3)
+        return Plan(name, [], {"device": script_defaults(name).device}, {}, "as the script decides",
+                    memory_plan(m, 0, WORKER_RSS, MAIN_RSS, {}), not_recommended=f"its default env: {err}")
+
+
+@dataclass
+class Recommendation:
+    mode: str
+    plan: Plan
+    plans: dict[str, Plan]  # every mode's plan on this machine
+    refused: dict[str, str]  # mode -> why it does not run (or is not recommended) here
+    warnings: list[str]
+
+
+def recommend(m: system.Machine) -> Recommendation:
+    """Pick a mode and its settings from the machine's facts. A pure function of ``m``."""
+    plans = {name: plan_mode(m, name) for name in PLANNERS}
+    refused = {name: p.cannot_run or p.not_recommended for name, p in plans.items()
+               if p.cannot_run or p.not_recommended}
+    gpus = len(m.gpus)
+    if gpus >= 2 and "ppo-multiprocess" not in refused:
+        choice = "ppo-multiprocess"
+    elif gpus and "ultra" not in refused:
+        choice = "ultra"
+    elif gpus or "timed" in refused:
+        choice = "dqn"
+        if not gpus:
+            why = ("/dev/shm or RAM is too small for the shared-memory rollout" if plans["timed"].cannot_run
+                   else f"timed: {refused['timed']}")
+            plans["dqn"].reason = f"{why}; {plans['dqn'].reason}"
+    else:
+        choice = "timed"
+    warnings = list(plans[choice].warnings)
+    if not gpus:
+        warnings.append("no CUDA GPU: learners run on the CPU (the ultra mode prefers a GPU)")
+    return Recommendation(choice, plans[choice], plans, refused, warnings)
+
+
+def refusal(plan: dict, force: bool) -> str | None:
+    """Why the launcher will not start this plan, or None."""
+    if plan["cannot_run"]:
+        return f"mode {plan['mode']} cannot run on this machine: {plan['cannot_run']}"
+    if plan["not_recommended"] and not force:
+        return (f"mode {plan['mode']} is not recommended on this machine: {plan['not_recommended']} "
+                "(add --force to run it anyway)")
+    return None
