@@ -36,18 +36,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import ConfigError, require, to_dict
-from common.lazy import lazy_import
+from common import distributed
+from common.config import require, to_dict
+from common.gae import flat_batch
 from common.normalize import NormalizationSettings
+from common.numpy_actor_critic import NumpyActing, actor_critic_shapes, acts_in_numpy, parameter_count
+from common.ppo_learner import LEARNERS, PPOSettings, choose_learner, make_learner
+from common.rollout import PublishedParams, RolloutCollector, describe_rollout, make_normalizer, rollout_layout
 from common.run import Mode, RunConfig, TrainingDiverged, run_training, train_in_process
 from common.shm import Seqlock, SharedArrays, attach_all
 from common.supervisor import Supervisor, set_torch_threads
 from common.system import resolve_device, threads_per_process
 
-# Loaded on first use, so that --help and --validate-only answer at once (see common/lazy.py).
-torch, distributed, envs_lib, networks, numpy_ppo, optim, ppo, rollout = map(lazy_import, (
-    "torch", "common.distributed", "common.envs", "common.networks", "common.numpy_ppo", "common.optim", "common.ppo",
-    "common.rollout"))
+# torch, gymnasium and the environments (common.envs) are imported by the functions that use them, so that
+# --help and --validate-only answer at once, and a worker acting in numpy never imports torch.
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Config(RunConfig, NormalizationSettings):
         require(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
         require(self.torch_threads >= 0, "torch_threads", self.torch_threads, "must be >= 0 (0 = all cores)")
         require(self.activation in ("tanh", "relu"), "activation", self.activation, "must be tanh or relu")
-        require(self.learner in ("auto", "numpy", "torch"), "learner", self.learner, "must be auto, numpy or torch")
+        require(self.learner in LEARNERS, "learner", self.learner, "must be auto, numpy or torch")
         require(not (self.async_training and self.num_workers == 0), "async_training", self.async_training,
                 "needs num_workers >= 1 (with 0 workers the rollout runs in the learner's own process)")
 
@@ -124,7 +126,7 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
                    norm_size: int) -> None:
     """Allocate the shared rollouts, ``rollout<slot>_<key>`` of ``[n_steps, envs, ...]`` (each worker
     owns a column slice), the parameters (``params``, ``params_versions``: a seqlock) and ``norm``."""
-    layout = rollout.rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
+    layout = rollout_layout(cfg.n_steps, cfg.total_envs, obs_space, action_space)
     for slot in range(2 if cfg.async_training else 1):
         for key, (shape, dtype) in layout.items():
             arrays.create(f"rollout{slot}_{key}", shape, dtype)
@@ -136,9 +138,11 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
 def policy_size(cfg: Config, obs_space, action_space) -> int:
     """How many parameters the policy has: counted from its shapes for an MLP, so that workers can start
     before this process imports torch; from a network built for the purpose for an image policy."""
-    if rollout.acts_in_numpy(obs_space):
-        return rollout.parameter_count(rollout.actor_critic_shapes(obs_space, action_space, cfg.hidden_sizes))
-    return networks.flat_size(networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes)))
+    if acts_in_numpy(obs_space):
+        return parameter_count(actor_critic_shapes(obs_space, action_space, cfg.hidden_sizes))
+    from common.networks import ActorCritic, flat_size
+
+    return flat_size(ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes)))
 
 
 def split_rollouts(shared: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -173,15 +177,19 @@ def make_collector(cfg: Config, envs, buf: dict[str, np.ndarray], first_env: int
     its start-up); an image policy acts with a torch network."""
     spaces = envs.single_observation_space, envs.single_action_space
     cols = slice(first_env, first_env + envs.num_envs)
-    published = rollout.PublishedParams(shared_params(shared))
-    if rollout.acts_in_numpy(spaces[0]):
-        acting = rollout.NumpyActing(*spaces, cfg.hidden_sizes, cfg.activation, published, seed)
-    elif learner is not None:
-        acting, published = ppo.TorchActing(learner), None
+    published = PublishedParams(shared_params(shared))
+    if acts_in_numpy(spaces[0]):
+        acting = NumpyActing(*spaces, cfg.hidden_sizes, cfg.activation, published, seed)
     else:
-        agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
-        acting = ppo.TorchActing(agent, published)
-    return rollout.RolloutCollector(acting, envs, buf, cols, rollout.make_normalizer(cfg, *spaces), published)
+        from common.networks import ActorCritic
+        from common.ppo import TorchActing
+
+        if learner is not None:
+            acting, published = TorchActing(learner), None
+        else:
+            agent = ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
+            acting = TorchActing(agent, published)
+    return RolloutCollector(acting, envs, buf, cols, make_normalizer(cfg, *spaces), published)
 
 
 def collect_published(collector, shared: dict[str, np.ndarray], into: dict[str, np.ndarray],
@@ -210,10 +218,12 @@ def rollout_worker(link, cfg_dict: dict, env_kwargs: dict, specs: dict, first_en
         # learner, too). Where cores outnumber processes this changes nothing; on 2 cores it roughly halves the
         # policy lag (docs/performance.md).
         os.nice(WORKER_NICENESS)
+    from common.envs import make_vec_env
+
     shared, handles = attach_all(specs)
     rollouts = split_rollouts(shared)
-    envs = envs_lib.make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
-    if not rollout.acts_in_numpy(envs.single_observation_space):
+    envs = make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, first_index=first_env, **env_kwargs)
+    if not acts_in_numpy(envs.single_observation_space):
         # A rollout step runs the policy on a handful of observations, where extra torch threads
         # only add wake-up latency (one LunarLander worker: 14.8k steps/s with one thread, 12.0k with two).
         set_torch_threads(1)
@@ -248,9 +258,11 @@ class InProcessCollector:
 
     def __init__(self, run, shared: dict[str, np.ndarray], seed: int, cpu_agent=None):
         """``cpu_agent``: the learner's torch network when it is on the CPU (an image policy acts with it)."""
+        from common.envs import make_vec_env
+
         self.cfg, self.shared, self.run = run.cfg, shared, run
         self.rollout = split_rollouts(shared)[0]
-        envs = envs_lib.make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
+        envs = make_vec_env(self.cfg.env_id, self.cfg.num_envs_per_worker, seed, **run.env_kwargs)
         run.defer(envs.close)
         self.collector = make_collector(self.cfg, envs, self.rollout, 0, seed, shared, cpu_agent)
 
@@ -325,100 +337,38 @@ class WorkerCollector:
 
 
 # --------------------------------------------------------------------------- learner
-# Two learners with one interface: publish the parameters, update on a flat numpy batch, a learning rate,
-# a checkpoint's state. An MLP policy on the CPU in one process learns in numpy (common/numpy_ppo.py):
-# without torch's per-operation overhead, and without importing torch before the first update. Images,
-# GPUs and DD-PPO (whose gradients torch.distributed averages) learn with torch. Both save the same
-# checkpoint, so a run can resume with either.
+# The PPO learner of common/ppo_learner.py: an MLP policy on the CPU in one process learns in numpy
+# (common/numpy_ppo.py), without torch's per-operation overhead and without importing torch before the first
+# update; images, GPUs and DD-PPO (whose gradients torch.distributed averages) learn with torch. Both save the
+# same checkpoint, so a run can resume with either.
 
-def ppo_settings(cfg: Config):
+def ppo_settings(cfg: Config) -> PPOSettings:
     # Overlapped, a rollout was collected partly by the policy of the update before: a decoupled update.
-    return rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
-                               cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl, decoupled=cfg.async_training)
-
-
-def numpy_learner_fits(cfg: Config, observation_space, world_size: int) -> bool:
-    return rollout.numpy_learner_fits(resolve_device(cfg.device), observation_space) and world_size == 1
+    return PPOSettings(cfg.n_epochs, cfg.batch_size, cfg.clip_coef, cfg.clip_vloss, cfg.ent_coef, cfg.vf_coef,
+                       cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl, decoupled=cfg.async_training)
 
 
 def check_learner(cfg: Config, env) -> None:
     """Refuse ``--learner numpy`` where it cannot learn, before anything is written (exit 2)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed.launched_by_torchrun() else 1
-    if cfg.learner == "numpy" and not numpy_learner_fits(cfg, env.observation_space, world_size):
-        raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU "
-                          "in one process; use torch or auto for images, a GPU or torchrun")
+    choose_learner(cfg.learner, resolve_device(cfg.device), env.observation_space, world_size)
 
 
-class NumpyLearner:
-    """``common.numpy_ppo``'s actor-critic and Adam."""
+def build_learner(run, spaces):
+    """This rank's learner, numpy or torch (``--learner``), from the checkpoint when the run resumes; its
+    minibatch order is seeded by the seed and the updates done so far (a resumed run does not replay its first)."""
+    cfg, dist = run.cfg, run.dist
+    device = resolve_device(cfg.device)
+    name = choose_learner(cfg.learner, device, spaces[0], dist.world_size)
+    if name == "torch":
+        import torch
 
-    def __init__(self, run, spaces, settings):
-        cfg = run.cfg
-        spec = rollout.actor_critic_spec(*spaces, cfg.hidden_sizes, cfg.activation, cfg.log_std_init)
-        self.model = numpy_ppo.MLPActorCritic(spec, *spaces, seed=cfg.seed)
-        self.optimizer = numpy_ppo.Adam(self.model.params, self.model.grads, self.model.shapes, cfg.learning_rate,
-                                        eps=1e-5)
-        if run.resumed is not None:
-            self.model.load_state_dict(run.resumed["model"])
-            self.optimizer.load_state_dict(run.resumed["optimizer"])
-        self.settings = settings
-        self.rng = np.random.default_rng(cfg.seed + run.counters["updates"])
-
-    def publish(self, out: np.ndarray) -> None:
-        out[:] = self.model.params
-
-    def update(self, batch: dict[str, np.ndarray], after_epoch) -> dict[str, float]:
-        return numpy_ppo.ppo_update(self.model, self.optimizer, batch, self.settings, self.rng, after_epoch)
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.model.spec}
-
-    def params_digest(self) -> str:
-        return ""  # one process: nothing to compare
-
-
-class TorchLearner:
-    """``common.networks.ActorCritic`` and FusedAdam, on ``--device``; under torchrun the gradients are
-    averaged across ranks before every step."""
-
-    def __init__(self, run, spaces, settings):
-        cfg, dist = run.cfg, run.dist
-        torch.manual_seed(cfg.seed)
         # Synchronous workers sit idle while the learner updates: --torch-threads 0 gives the update every
         # core (every core the workers leave free when they collect meanwhile).
         busy = 1 + cfg.num_workers if cfg.async_training else 1
         torch.set_num_threads(cfg.torch_threads or threads_per_process(busy))
-        # Under torchrun a rank's learner is on the device its process group reduces on (cuda:LOCAL_RANK
-        # with NCCL), whatever GPU --device names.
-        self.device = getattr(dist, "device", None) or torch.device(resolve_device(cfg.device))
-        self.agent = networks.ActorCritic(*spaces, tuple(cfg.hidden_sizes), cfg.activation, cfg.log_std_init)
-        self.agent.to(self.device)
-        # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
-        self.optimizer = optim.FusedAdam(self.agent.parameters(), lr=cfg.learning_rate, eps=1e-5)
-        if run.resumed is not None:
-            self.agent.load_state_dict(run.resumed["model"])
-            self.optimizer.load_state_dict(run.resumed["optimizer"])
-        dist.broadcast_model(self.agent)
-        self.settings, self.dist = settings, dist
-        self.generator = torch.Generator().manual_seed(cfg.seed + run.counters["updates"])
-        self.grad_hook = dist.gradient_hook(self.agent)
-
-    @property
-    def cpu_agent(self):
-        return self.agent if self.device.type == "cpu" else None
-
-    def publish(self, out: np.ndarray) -> None:
-        networks.write_flat_params(self.agent, out)
-
-    def update(self, batch: dict[str, np.ndarray], after_epoch) -> dict[str, float]:
-        return ppo.ppo_update(self.agent, self.optimizer, ppo.as_tensors(batch, self.device), self.settings,
-                              self.generator, self.grad_hook, after_epoch)
-
-    def state_dict(self) -> dict:
-        return {"model": self.agent.state_dict(), "optimizer": self.optimizer.state_dict(), "policy": self.agent.spec}
-
-    def params_digest(self) -> str:
-        return distributed.params_digest(self.agent) if self.dist.world_size > 1 else ""
+    return make_learner(name, *spaces, cfg, cfg.learning_rate, ppo_settings(cfg), seed=cfg.seed,
+                        shuffle_seed=cfg.seed + run.counters["updates"], device=device, dist=dist, state=run.resumed)
 
 
 class PPOTrainer:
@@ -429,8 +379,8 @@ class PPOTrainer:
         cfg, dist = run.cfg, run.dist
         self.run, self.cfg, self.dist = run, cfg, dist
         spaces = run.env.observation_space, run.env.action_space
-        self.normalizer = rollout.make_normalizer(cfg, *spaces)
-        self.behaviour = rollout.make_normalizer(cfg, *spaces)  # a rollout's own
+        self.normalizer = make_normalizer(cfg, *spaces)
+        self.behaviour = make_normalizer(cfg, *spaces)  # a rollout's own
         arrays = SharedArrays()
         run.defer(arrays.unlink_all)
         rollout_arrays(arrays, cfg, *spaces, policy_size(cfg, *spaces), self.normalizer.size())
@@ -438,31 +388,25 @@ class PPOTrainer:
         self.rollouts = split_rollouts(self.shared)
         self.params = shared_params(self.shared)
         self.progress: dict[int, float] = {}  # parameter version -> the updates it had, in fractions of one
-        run.log.info("%s%s", rollout.describe_rollout(self.rollouts[0], spaces[0]),
+        run.log.info("%s%s", describe_rollout(self.rollouts[0], spaces[0]),
                      " x 2 (one filled while the other is learned from)" if cfg.async_training else "")
         seed = cfg.seed + dist.rank * cfg.total_envs  # ranks never share an environment seed
         # Workers start first: they build their envs (and, acting in numpy, never import torch) while this
         # process builds the learner.
         self.collector = WorkerCollector(run, arrays, seed) if cfg.num_workers else None
         np.random.seed(cfg.seed)
-        settings = ppo_settings(cfg)
-        # (check_learner refused --learner numpy where it does not fit, before the run began)
-        use_numpy = cfg.learner == "numpy" or (cfg.learner == "auto" and numpy_learner_fits(cfg, spaces[0],
-                                                                                            dist.world_size))
-        self.learner = NumpyLearner(run, spaces, settings) if use_numpy else TorchLearner(run, spaces, settings)
+        self.learner = build_learner(run, spaces)
         # A resumed run learns at the configured rate (annealed from it), not at the one its checkpoint ended with.
-        self.learner.optimizer.param_groups[0]["lr"] = cfg.learning_rate
+        self.learner.learning_rate = cfg.learning_rate
         if run.resumed is not None:
             self.normalizer.load_state_dict(run.resumed)
         self.publish()
         if self.collector is None:
-            self.collector = InProcessCollector(run, self.shared, seed, getattr(self.learner, "cpu_agent", None))
-        self.learner_name = "numpy" if use_numpy else "torch"
-        self.learner_device = "cpu" if use_numpy else str(self.learner.device)
+            self.collector = InProcessCollector(run, self.shared, seed, self.learner.cpu_agent)
         run.log.info("train_parallel_timed: %s, %d worker(s) x %d envs, rollout %d steps, %s, %s learner on %s, "
                      "world size %d%s, run dir %s", cfg.env_id, cfg.num_workers, cfg.num_envs_per_worker,
                      cfg.n_steps * cfg.total_envs, "collecting while learning" if cfg.async_training else "synchronous",
-                     self.learner_name, self.learner_device, dist.world_size,
+                     self.learner.name, self.learner.device, dist.world_size,
                      f" (backend {dist.backend})" if dist.world_size > 1 else "", run.run_dir)
 
     def stop_reason(self) -> str | None:
@@ -530,16 +474,16 @@ class PPOTrainer:
         stored values are the ones consistent with those bootstraps (Sample Factory's APPO also bootstraps
         GAE from the actors' values). Synchronous, the PPO ratio is taken against the log-probabilities the
         rollout stored. Overlapped, the steps collected before the learner's previous update ended acted with
-        older parameters (``policy_lag``), and the update is decoupled (``common.rollout.PPOSettings``).
+        older parameters (``policy_lag``), and the update is decoupled (``common.ppo_learner.PPOSettings``).
         """
         cfg, started = self.cfg, time.perf_counter()
         if cfg.anneal_lr and cfg.total_timesteps:
             frac = max(0.0, 1.0 - self.run.counters["global_step"] / cfg.total_timesteps)
-            self.learner.optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
+            self.learner.learning_rate = frac * cfg.learning_rate
         # The batch is normalized with the statistics the rollout was collected with (overlapped, the
         # learner's own have taken in one more rollout since); only then does this rollout enter them.
         self.behaviour.read(behaviour.norm)
-        batch = rollout.flat_batch(filled, cfg.gamma, cfg.gae_lambda, self.behaviour)
+        batch = flat_batch(filled, cfg.gamma, cfg.gae_lambda, self.behaviour)
         self.normalizer.update(filled["obs"], filled["disc_returns"], self.dist.total)
         # Overlapped, the workers collect during the update and take up each epoch's parameters; synchronous,
         # they wait for the next rollout, so one copy after the update is enough (from a GPU, a device copy).
@@ -560,7 +504,7 @@ class PPOTrainer:
         run.counters["updates"] += 1
         run.record_episodes(all_episodes)
         run.write_metrics({"collect_sps": total_steps / max(1e-9, collect_seconds),
-                           "learning_rate": self.learner.optimizer.param_groups[0]["lr"], **stats,
+                           "learning_rate": self.learner.learning_rate, **stats,
                            "update_ms": 1000 * update_seconds, "wait_ms": 1000 * wait_seconds,
                            "allreduce_ms": 1000 * allreduce[0], "allreduce_kib": allreduce[1] / 1024,
                            "params_hash": ":".join(rank_hashes), "world_size": dist.world_size},
@@ -574,7 +518,8 @@ class PPOTrainer:
         return {**self.learner.state_dict(), **self.normalizer.state_dict()}
 
     def summary(self) -> dict:
-        return {"async_training": self.cfg.async_training, "learner": self.learner_name, "device": self.learner_device}
+        return {"async_training": self.cfg.async_training, "learner": self.learner.name,
+                "device": str(self.learner.device)}
 
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],

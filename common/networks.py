@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from common.network_spec import actor_critic_spec, space_from_spec, space_spec
 from common.replay import is_image
-from common.rollout import actor_critic_spec, space_from_spec, space_spec
 from common.shm import Seqlock
 
 # Argument validation costs more than the math for the tiny batches of a rollout step.

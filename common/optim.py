@@ -7,6 +7,9 @@ from the shell prompt to a solved agent. :class:`FusedAdam` calls the very kerne
 step are bit-identical to it (tests/test_common.py checks this), and keeps its ``state_dict``
 format, so checkpoints of either load into the other. It is plain Adam: no weight decay, no
 AMSGrad, no gradient scaler (the learners that need those use ``torch.optim.Adam``).
+
+``torch._fused_adam_`` is private to torch: requirements.txt admits torch from the version the tests
+ran this against, and tests/test_common.py fails on any torch whose kernel no longer matches.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from common.checkpoint import load_checkpoint
-from common.networks import build_network, space_from_spec
+from common.network_spec import space_from_spec
+from common.networks import build_network
 
 
 class Policy(nn.Module):

@@ -1,12 +1,14 @@
-"""The PPO pieces shared by the two PPO scripts that need torch: acting with a torch network, GAE and
-the clipped-surrogate update.
+"""PPO with torch, the reference learner: the clipped-surrogate update (:func:`ppo_update`), the learner that
+runs it behind ``common.ppo_learner.PPOLearner`` (:class:`TorchLearner`), and acting with a torch network.
 
-A rollout (``common.rollout``: its arrays and the collector that fills them, GAE and the flat batch,
-without torch) reaches :func:`ppo_update` through :func:`as_tensors`.
+A rollout (``common.rollout``) becomes a flat numpy batch through GAE (``common.gae.flat_batch``), and
+reaches :func:`ppo_update` through :func:`as_tensors`. ``common.numpy_ppo`` is the same update in numpy,
+checked against this one by tests/test_numpy_ppo.py.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -14,13 +16,19 @@ import torch
 from torch import nn
 
 from common import networks
-from common.rollout import PROXIMAL_WEIGHT_CAP, NumpyActing, PPOSettings
+from common.distributed import params_digest
+from common.network_spec import space_from_spec
+from common.numpy_actor_critic import NumpyActing
+from common.optim import FusedAdam
+from common.ppo_learner import PROXIMAL_WEIGHT_CAP, PPOLearner, PPOSettings
+
+__all__ = ["PPOSettings", "TorchActing", "TorchLearner", "acting_for", "as_tensors", "ppo_update"]
 
 
 class TorchActing:
     """The rollout step done by the torch network itself (images, and anything not an MLP).
 
-    With ``params`` (a flat parameter vector's source, as for :class:`common.rollout.NumpyActing`)
+    With ``params`` (a flat parameter vector's source, as for ``common.numpy_actor_critic.NumpyActing``)
     the network is a copy that loads them before every rollout; without, it is the learner itself.
     """
 
@@ -47,7 +55,7 @@ def _tensor(obs: np.ndarray) -> torch.Tensor:
 
 def acting_for(agent, seed: int):
     """How a rollout acts with the CPU network ``agent``: in numpy from a copy of its weights for an MLP
-    (:class:`common.rollout.NumpyActing`), else with the network itself."""
+    (:class:`common.numpy_actor_critic.NumpyActing`), else with the network itself."""
     if not isinstance(agent.trunk, networks.Flat):
         return TorchActing(agent)
     spec = agent.spec
@@ -55,13 +63,12 @@ def acting_for(agent, seed: int):
     def params() -> np.ndarray:
         return nn.utils.parameters_to_vector(agent.parameters()).detach().numpy()
 
-    return NumpyActing(networks.space_from_spec(spec["observation_space"]),
-                       networks.space_from_spec(spec["action_space"]), spec["hidden_sizes"], spec["activation"],
-                       params, seed)
+    return NumpyActing(space_from_spec(spec["observation_space"]), space_from_spec(spec["action_space"]),
+                       spec["hidden_sizes"], spec["activation"], params, seed)
 
 
 def as_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
-    """A flat numpy batch (:func:`common.rollout.flat_batch`) as tensors on ``device``."""
+    """A flat numpy batch (``common.gae.flat_batch``) as tensors on ``device``."""
     return {key: torch.as_tensor(array).to(device) for key, array in batch.items()}
 
 
@@ -81,7 +88,7 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
     clipped, minibatches = torch.zeros((), device=device), 0
     approx_kl = old_approx_kl = pg_loss = v_loss = entropy_loss = torch.zeros(())
     old_logprobs, weights = batch["logprobs"], None
-    if settings.decoupled:  # (common.rollout.PPOSettings)
+    if settings.decoupled:  # (common.ppo_learner.PPOSettings)
         with torch.no_grad():
             step = settings.minibatch_size
             chunks = [slice(start, start + step) for start in range(0, size, step)]
@@ -141,3 +148,68 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[s
     return {"policy_loss": pg_loss.item(), "value_loss": v_loss.item(), "entropy": entropy_loss.item(),
             "approx_kl": approx_kl.item(), "old_approx_kl": old_approx_kl.item(),
             "clipfrac": clipped.item() / max(1, minibatches), "explained_variance": explained_var}
+
+
+class TorchLearner(PPOLearner):
+    """The torch learner: ``common.networks.ActorCritic`` and ``common.optim.FusedAdam`` on ``device``, built by
+    ``common.ppo_learner.make_learner``. With ``dist`` (``common.distributed``, under torchrun) it learns on the
+    rank's device (the one its process group reduces on: cuda:LOCAL_RANK with NCCL, whatever GPU ``device``
+    names), starts from rank 0's weights and averages the gradients across ranks before every step."""
+
+    name = "torch"
+
+    def __init__(self, observation_space, action_space, hidden: tuple[int, ...], activation: str,
+                 log_std_init: float, learning_rate: float, settings: PPOSettings, seed: int, shuffle_seed: int,
+                 device: str = "cpu", dist=None, state: dict | None = None):
+        torch.manual_seed(seed)
+        self.device = getattr(dist, "device", None) or torch.device(device)
+        self.model = networks.ActorCritic(observation_space, action_space, hidden, activation, log_std_init)
+        self.model.to(self.device)
+        self.spec = self.model.spec
+        # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
+        self.optimizer = FusedAdam(self.model.parameters(), lr=learning_rate, eps=1e-5)
+        self.actor: nn.Module | None = None  # the CPU copy that acts for a learner on a GPU (acting())
+        if state is not None:
+            self.load_state_dict(state)
+        self.dist, self.after_backward = dist, None
+        if dist is not None:
+            dist.broadcast_model(self.model)
+            self.after_backward = dist.gradient_hook(self.model)
+        self.settings = settings
+        self.seed_minibatches(shuffle_seed)
+
+    @property
+    def cpu_agent(self) -> nn.Module | None:
+        return self.model if self.device.type == "cpu" else None
+
+    def update(self, batch: dict[str, np.ndarray], after_epoch: Callable[[int], None] | None = None) -> dict:
+        stats = ppo_update(self.model, self.optimizer, as_tensors(batch, self.device), self.settings,
+                           self.generator, self.after_backward, after_epoch)
+        self._sync_actor()
+        return stats
+
+    def seed_minibatches(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def publish(self, out: np.ndarray) -> None:
+        networks.write_flat_params(self.model, out)
+
+    def acting(self, seed: int):
+        # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
+        if self.actor is None:
+            self.actor = self.model if self.device.type == "cpu" else copy.deepcopy(self.model).cpu()
+        return acting_for(self.actor, seed)
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def params_digest(self) -> str:
+        return params_digest(self.model) if self.dist is not None and self.dist.world_size > 1 else ""
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._sync_actor()
+
+    def _sync_actor(self) -> None:
+        if self.actor is not None and self.actor is not self.model:
+            self.actor.load_state_dict(self.model.state_dict())

@@ -11,6 +11,11 @@ named by a persistent id) and one record per storage (``data/<key>``, raw little
 
 What it writes: dicts, lists, tuples, strings, numbers, booleans, None and numpy arrays (as contiguous
 tensors of the same dtype). numpy scalars are written as Python numbers.
+
+It names private parts of pickle and torch (``pickle._Pickler``, ``torch._utils._rebuild_tensor_v2``,
+torch's storage classes): requirements.txt admits torch from the version the tests ran it on, and
+tests/test_torch_file.py fails on any torch whose ``weights_only`` loader stops reading these files
+value for value.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""common/numpy_ppo.py against torch: the hand-written backward pass and Adam must do what autograd and
-FusedAdam do, and checkpoints must move between the two learners.
+"""The numpy PPO learner against the torch one (common/numpy_ppo.py, common/numpy_actor_critic.py, common/ppo.py,
+common/ppo_learner.py): the hand-written backward pass and Adam must do what autograd and FusedAdam do,
+checkpoints must move between the two learners, and both stand behind one interface, chosen in one place.
 
 Promises checked (docs/train_parallel_timed.md, "The learner"): the numpy learner computes the same loss,
 gradients and Adam steps as the torch one; its ``state_dict`` loads into ``ActorCritic`` and back; it
@@ -14,9 +15,13 @@ import pytest
 import torch
 
 from common import numpy_ppo, ppo
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.config import ConfigError
+from common.network_spec import actor_critic_spec
 from common.networks import ActorCritic
+from common.numpy_actor_critic import NumpyActing, forward, split_flat
 from common.optim import FusedAdam
-from common.rollout import actor_critic_spec, split_flat
+from common.ppo_learner import choose_learner, make_learner
 
 DISCRETE = gym.spaces.Box(-5, 5, (6,), np.float32), gym.spaces.Discrete(3)
 CONTINUOUS = gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32)
@@ -84,8 +89,8 @@ def test_gradients_and_statistics_match_torch_autograd(spaces, activation, clip_
     ppo_settings = settings(clip_vloss=clip_vloss, norm_adv=norm_adv)
     want, torch_stats = torch_gradients(agent, batch, ppo_settings)
 
-    stats = model.loss_and_gradients(batch["obs"], batch["actions"], batch["logprobs"], batch["advantages"],
-                                     batch["returns"], batch["values"], ppo_settings)
+    stats = numpy_ppo.loss_and_gradients(model, batch["obs"], batch["actions"], batch["logprobs"],
+                                         batch["advantages"], batch["returns"], batch["values"], ppo_settings)
     assert 0.05 < stats["clipped"] < 0.95  # both branches of the clipped surrogate are exercised
     got = dict(zip(model.names, split_flat(model.grads, model.shapes)))
     assert set(got) == set(want)
@@ -173,7 +178,68 @@ def test_initialization_is_actor_critics_and_state_dicts_interchange():
     model.load_state_dict(trained.state_dict())
     obs = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
     with torch.no_grad():
-        np.testing.assert_allclose(model._forward(obs, model.critic)[-1][:, 0],
+        np.testing.assert_allclose(forward(obs, model.critic, model.tanh)[-1][:, 0],
                                    trained.get_value(torch.from_numpy(obs)).numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not"):
         model.load_state_dict({"critic.0.weight": np.zeros((16, 5))})
+
+
+def test_the_learner_is_chosen_in_one_place():
+    """--learner auto is numpy for an MLP on the CPU in one process, else torch; numpy where it cannot learn
+    is refused (exit 2 before anything is written), in the words of the script that asked."""
+    vector, image = DISCRETE[0], gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    assert choose_learner("auto", "cpu", vector, 1) == "numpy"
+    assert choose_learner("auto", "cpu", vector) == "numpy"  # a population member learns alone
+    for device, space, world_size in (("cuda:0", vector, 1), ("cpu", image, 1), ("cpu", vector, 2)):
+        assert choose_learner("auto", device, space, world_size) == "torch"
+        assert choose_learner("torch", device, space, world_size) == "torch"
+        with pytest.raises(ConfigError, match="a GPU or torchrun"):
+            choose_learner("numpy", device, space, world_size)
+    assert choose_learner("torch", "cpu", vector, 1) == "torch"
+    with pytest.raises(ConfigError, match="for images or a GPU$"):
+        choose_learner("numpy", "cuda:0", vector)
+
+
+class Network:  # a PPO script's config, as far as make_learner reads it
+    hidden_sizes, activation, log_std_init = [16, 8], "tanh", -0.3
+
+
+@pytest.mark.parametrize("spaces", [DISCRETE, CONTINUOUS])
+def test_both_learners_stand_behind_one_interface(spaces, tmp_path):
+    """Built by make_learner, either learner updates on a flat numpy batch, publishes its flat parameters (which
+    numpy acting reads), takes a learning rate, and writes a checkpoint the other one loads and continues from."""
+    learners = {name: make_learner(name, *spaces, Network, 3e-3, settings(n_epochs=2), seed=0,
+                                   shuffle_seed=0) for name in ("numpy", "torch")}
+    batch = batch_for(spaces)
+    numpy_learner, torch_learner = learners["numpy"], learners["torch"]
+    assert (numpy_learner.name, str(numpy_learner.device)) == ("numpy", "cpu")
+    assert (torch_learner.name, str(torch_learner.device)) == ("torch", "cpu")
+    assert numpy_learner.spec == torch_learner.spec
+    def through_a_file(state: dict) -> dict:  # as a run saves and resumes
+        return load_checkpoint(save_checkpoint(state, tmp_path / "learner.pt"))
+
+    torch_learner.load_state_dict(through_a_file(numpy_learner.state_dict()))  # one start, so the updates compare
+    for learner in learners.values():
+        learner.seed_minibatches(7)
+        learner.learning_rate = 1e-3
+        assert learner.learning_rate == 1e-3
+        epochs = []
+        stats = learner.update(batch, epochs.append)
+        assert epochs == [1, 2] and set(stats) >= {"policy_loss", "value_loss", "clipfrac", "explained_variance"}
+        assert learner.finite() and learner.params_digest() == ""
+    published = {}
+    for name, learner in learners.items():
+        published[name] = np.zeros(numpy_learner.model.params.size, np.float32)
+        learner.publish(published[name])
+    np.testing.assert_allclose(published["numpy"], published["torch"], rtol=1e-4, atol=1e-5)
+    # numpy acting reads what either publishes, and acts as the learner's own acting does
+    obs = batch["obs"][:8]
+    from_published = NumpyActing(*spaces, Network.hidden_sizes, Network.activation, lambda: published["numpy"], 1)
+    np.testing.assert_array_equal(from_published.value(obs), numpy_learner.acting(1).value(obs))
+    np.testing.assert_allclose(torch_learner.acting(1).value(obs), from_published.value(obs), rtol=1e-4, atol=1e-5)
+    # a checkpoint of either continues in the other
+    state = torch_learner.state_dict()
+    assert set(state) == {"model", "optimizer", "policy"}
+    numpy_learner.load_state_dict(through_a_file(state))
+    np.testing.assert_array_equal(numpy_learner.model.params, published["torch"])
+    assert numpy_learner.optimizer.steps == torch_learner.optimizer.steps[0].item() == 2  # one minibatch an epoch
