@@ -3,13 +3,14 @@
 On one machine a coordinator supervises its workers (:mod:`common.supervisor`): they report to it
 over pipes and save their files into its run directory. Under torchrun every rank runs its own
 share of the workers, numbered globally (rank r's local worker i is member ``r * per_rank + i``),
-and rank 0's coordinator follows all of them. This module carries what crosses the network, over
-:mod:`common.hub`:
+and rank 0's coordinator (:class:`common.population.Population`) follows all of them. This module
+carries what crosses the network, over :mod:`common.rank_exchange`:
 
-- A rank other than 0 (:class:`MemberForwarder`) forwards every message of its workers to rank 0
-  under the member's global number, with the files the message names (checkpoints, logs)
-  attached as bytes, and hands its workers what rank 0 sends them (a command with the files it
-  needs, such as a PBT donor's checkpoint) and the order to stop.
+- A rank other than 0 (:class:`PopulationNode`, through :class:`MemberForwarder`) runs its members'
+  workers and forwards every message of theirs to rank 0 under the member's global number, with
+  the files the message names (checkpoints, logs) attached as bytes, and hands its workers what
+  rank 0 sends them (a command with the files it needs, such as a PBT donor's checkpoint) and the
+  order to stop.
 - Rank 0 (:class:`RemoteMembers`) writes those files into its own run directory under their own
   names, rewrites the paths in the messages to its copies, and hands its coordinator the same
   :class:`~common.supervisor.Message` its local workers produce; a lost rank becomes one ``lost``
@@ -34,19 +35,27 @@ What holds, and why:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.checkpoint import latest_checkpoint
 from common.distributed import PeerFailure
-from common.hub import Field, Hub, Schema, Spoke, follow_stop, interrupt_from_peer
+from common.rank_exchange import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer
+from common.run import config_dict
 from common.supervisor import Message, WorkerFailed
+
+if TYPE_CHECKING:
+    from common.population import Members
 
 POLL_S = 0.1  # a rank > 0 exchanges at least this often; rank 0's answers wait at most this long
 FILES = "files"  # the one array of a parcel: its files' bytes, one after the other
@@ -63,6 +72,32 @@ class Place:
     def member(self, name: str) -> int | None:
         match = re.fullmatch(self.pattern, name)
         return int(match.group("member")) if match else None
+
+
+# Where the files a member's messages name land on the rank that receives them, what a rank's workers
+# may report to rank 0, and what rank 0 may answer one.
+FILE_PLACES = (Place(r"worker_(?P<member>\d+)_(step_\d+|final)\.pt", "checkpoints"),
+               Place(r"worker_(?P<member>\d+)\.log", "logs", append=True))
+REPORTS = ("ready", "update", "pbt_ready", "pbt_copied", "done", "diverged", "restarted", "given_up")
+COMMANDS = ("pbt",)  # the stop reaches every rank at once (RemoteMembers.stop_members)
+# Settings that may differ between nodes; every other one must equal rank 0's (the fingerprint).
+NODE_LOCAL = ("output_dir", "resume", "data_source", "cache_dir", "device", "gpu_strategy", "num_gpus",
+              "threads_per_worker", "tensorboard", "log_interval_s")
+
+
+def fingerprint(run, data, script_file: str) -> dict:
+    """What every rank must share with rank 0 to train members of one population: the code, the
+    settings (but NODE_LOCAL), the env's spaces and the market history itself."""
+    history = None
+    if data is not None:
+        digest = hashlib.sha1()
+        for array in (data.prices, data.volumes):
+            digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        history = digest.hexdigest()[:12]
+    settings = {k: v for k, v in config_dict(run.cfg).items() if k not in NODE_LOCAL}
+    return {"script": Path(script_file).stem, "code": code_digest(script_file), "settings": settings,
+            "spaces": [str(run.env.observation_space), str(run.env.action_space)], "market": history,
+            "item_indices": run.env.extra.get("item_indices")}
 
 
 def place_of(name: str, places: tuple[Place, ...]) -> tuple[Place, int] | None:
@@ -341,3 +376,59 @@ class MemberForwarder:
         if why is not None:
             raise PeerFailure(f"rank {self.run.dist.rank}: rank 0 sent a message that does not fit: {why}")
         return Parcel.unwire(reply.message, reply.message_arrays).deliver(self.base, self.places)
+
+
+class PopulationNode:
+    """A rank other than 0 under torchrun: this node's members, coordinated by rank 0.
+
+    It runs one worker per member here as the coordinator does (over this node's own shared copy of
+    the market data), but decides nothing: every report goes to rank 0 with the checkpoints it names,
+    and rank 0's answers (PBT, the stop) go to the workers. Their files live in a scratch directory of
+    this node, removed at the end: rank 0 holds copies.
+    """
+
+    def __init__(self, run, members: Members):
+        self.run, self.members, cfg = run, members, run.cfg
+        self.first = run.dist.rank * cfg.num_workers
+        run.counters.update(global_step=0, episodes=0, updates=0)  # this node's own, for its last log lines
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"prl-population-rank{run.dist.rank}-"))
+        run.defer(shutil.rmtree, self.scratch, True)
+        for sub in ("checkpoints", "logs"):
+            (self.scratch / sub).mkdir()
+        self.relay = MemberForwarder(run, members.fingerprint(run), cfg.num_workers, FILE_PLACES, COMMANDS,
+                                     self.scratch)
+        run.log.info("workers %d to %d of the population run here (local worker i is worker %d + i); their files "
+                     "go to rank 0 as they report them, from %s", self.first, self.first + cfg.num_workers - 1,
+                     self.first, self.scratch)
+        self.supervisor = None
+        if self.relay.receive_start():  # on resume, it brings our members' newest checkpoints
+            self.supervisor = members.supervisor(run, self.args_for, name="local worker")
+            self.supervisor.start()
+
+    def args_for(self, index: int) -> tuple:
+        member = self.first + index
+        latest = latest_checkpoint(self.scratch / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
+        return self.members.setup(member, self.members.hyper[member], self.scratch, latest)
+
+    def train(self) -> None:
+        if self.supervisor is not None:
+            self.relay.serve(self.supervisor, self.files_of, self.count)
+
+    def files_of(self, member: int, kind: str, payload: Any) -> dict[str, Path]:
+        """What rank 0 must hold with this report: the checkpoint it names and, once the worker is
+        through (done, diverged, given up), its log."""
+        files = {key: Path(payload[key]) for key in ("checkpoint", "path")
+                 if isinstance(payload, dict) and payload.get(key)}
+        if kind in ("done", "diverged", "given_up"):
+            files["log"] = self.scratch / "logs" / f"worker_{member}.log"
+        return files
+
+    def count(self, member: int, kind: str, payload: Any) -> None:
+        if kind == "update":
+            self.run.budget.mark_first_step(payload["started"])
+            self.run.counters["global_step"] += payload["steps"]
+            self.run.counters["updates"] += 1
+            self.run.record_episodes(payload["episodes"])
+
+    def state_dict(self) -> None:
+        return None  # rank 0 saves the population

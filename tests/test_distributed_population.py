@@ -28,10 +28,10 @@ from test_faults import log_text, rows, wait_until
 from common.checkpoint import load_checkpoint
 from common.config import parse_args
 from common.envs.market import load_market_data
-from common.population_relay import Parcel, check_parcel
+from common.population_relay import FILE_PLACES, REPORTS, Parcel, check_parcel, fingerprint
 from common.run import FlatConfig, probe_env
 from common.shm import reclaim_stale_segments
-from train_ppo_multiprocess import FILE_PLACES, MODE, REPORTS, fingerprint
+from train_ppo_multiprocess import MODE
 
 SCRIPT = "train_ppo_multiprocess.py"
 CARTPOLE = ["--env-id", "CartPole-v1", "--num-workers", "1", "--num-envs-per-worker", "4", "--n-steps", "64",
@@ -223,7 +223,7 @@ def test_the_fingerprint_differs_with_the_settings_and_the_data_but_not_with_nod
 
     def shown(*argv, data=None) -> dict:
         cfg = FlatConfig(parse_args(MODE.config, [str(a) for a in argv], "")[0])
-        return fingerprint(SimpleNamespace(cfg=cfg, env=env), data)
+        return fingerprint(SimpleNamespace(cfg=cfg, env=env), data, str(ROOT / SCRIPT))
 
     base = shown("--env-id", "CartPole-v1")
     assert shown("--env-id", "CartPole-v1", "--device", "cpu", "--cache-dir", tmp_path, "--output-dir", tmp_path,

@@ -31,6 +31,8 @@ from common.envs import make_vec_env
 from common.envs.market import load_market_data
 from common.networks import ActorCritic, build_network
 from common.normalize import Normalizer
+from common.population import Population, WorkerStatus, member_hyperparams, pbt_donor, perturb
+from common.population_member import MemberSetup, policy_actions
 
 SCRIPT = "train_ppo_multiprocess.py"
 # A small synthetic market and small rollouts, so each run takes seconds on two cores.
@@ -208,7 +210,7 @@ def test_box_actions_train_and_act_with_their_mean(tmp_path):
         agent.actor[-1].bias.fill_(5.0)  # a mean beyond the upper bound
     obs = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
     normalizer = Normalizer((3,), norm_obs=True, norm_reward=True)
-    act = tpm.policy_actions(agent, space, True, normalizer)
+    act = policy_actions(agent, space, True, normalizer)
     assert np.array_equal(act(obs, None), act(obs, None)) and np.all(act(obs, None) == 2.0)
 
 
@@ -274,24 +276,24 @@ def test_seed_names_and_help_need_no_torch(tmp_path):
 
 def test_per_worker_hyperparameters_lists_and_ranges():
     cfg = tpm.PPOKwargs(learning_rate=[1e-4, 1e-2], ent_coef=[0.0, 0.01, 0.02], sample_ranges=["learning_rate"])
-    population = tpm.worker_hyperparams(cfg, 3, seed=5)
-    assert population == tpm.worker_hyperparams(cfg, 3, seed=5)  # same seed, same population
+    population = member_hyperparams(cfg, tpm.PER_WORKER, 3, seed=5)
+    assert population == member_hyperparams(cfg, tpm.PER_WORKER, 3, seed=5)  # same seed, same population
     lrs = [h["learning_rate"] for h in population]
     assert all(1e-4 <= lr <= 1e-2 for lr in lrs) and len(set(lrs)) == 3
     assert [h["ent_coef"] for h in population] == [0.0, 0.01, 0.02]
     assert all(h["gamma"] == 0.99 for h in population)
-    perturbed = tpm.perturb(population[0], 0.2, np.random.default_rng(0))
+    perturbed = perturb(population[0], 0.2, np.random.default_rng(0))
     assert np.isclose(perturbed["learning_rate"] / lrs[0], 0.8) or np.isclose(perturbed["learning_rate"] / lrs[0], 1.2)
     assert 0.98 < perturbed["gamma"] < 0.9999 and all(type(v) is float for v in perturbed.values())
 
 
 def test_pbt_the_weakest_copies_a_stronger_worker():
     rng = np.random.default_rng(0)
-    assert tpm.pbt_donor([5.0, None, 1.0, 9.0], 2, 0.25, rng) is None  # not everyone has reported yet
-    assert tpm.pbt_donor([-3.0, 5.0, 1.0, 9.0], 0, 0.25, rng) == 3  # the weakest copies the strongest
-    assert tpm.pbt_donor([-3.0, 5.0, 1.0, 9.0], 3, 0.25, rng) is None  # the strongest keeps its weights
-    assert tpm.pbt_donor([-3.0, 5.0, 1.0, 9.0], 1, 0.25, rng) is None  # the middle too
-    assert tpm.pbt_donor([2.0, 2.0], 0, 0.5, rng) is None  # a copy must be better, not equal
+    assert pbt_donor([5.0, None, 1.0, 9.0], 2, 0.25, rng) is None  # not everyone has reported yet
+    assert pbt_donor([-3.0, 5.0, 1.0, 9.0], 0, 0.25, rng) == 3  # the weakest copies the strongest
+    assert pbt_donor([-3.0, 5.0, 1.0, 9.0], 3, 0.25, rng) is None  # the strongest keeps its weights
+    assert pbt_donor([-3.0, 5.0, 1.0, 9.0], 1, 0.25, rng) is None  # the middle too
+    assert pbt_donor([2.0, 2.0], 0, 0.5, rng) is None  # a copy must be better, not equal
 
 
 def test_a_pbt_copy_trains_with_its_own_perturbed_learning_rate(tmp_path):
@@ -352,8 +354,8 @@ def tiny_agent(tmp_path, link, member=0, **settings):
                      n_epochs=1, device="cpu", target_return=None, learning_rate=[1e-3], **settings)
     for sub in ("checkpoints", "logs"):
         (tmp_path / sub).mkdir(exist_ok=True)
-    setup = tpm.WorkerSetup(member, config_dict(cfg), {}, str(tmp_path), None, None, "cpu", 1,
-                            tpm.worker_hyperparams(cfg, 2, cfg.seed)[member], None, None)
+    setup = MemberSetup(member, config_dict(cfg), {}, str(tmp_path), None, None, "cpu", 1,
+                        member_hyperparams(cfg, tpm.PER_WORKER, 2, cfg.seed)[member], None, None)
     return tpm.Agent(link, setup, None, logging.getLogger(f"prl.test.worker{member}"))
 
 
@@ -372,7 +374,7 @@ def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_
     donor.collector.collect(16)
     donor.update()
     donor_path = donor.save("worker_1_step_32.pt")
-    offers = [tpm.perturb(donor.hyper, 0.2, np.random.default_rng(seed)) for seed in range(8)]
+    offers = [perturb(donor.hyper, 0.2, np.random.default_rng(seed)) for seed in range(8)]
     for name, value in donor.hyper.items():  # explore: 1 -/+ 20 % (discounts on their 1 - x scale, capped)
         if name in ("gamma", "gae_lambda"):
             allowed = {round(min(0.9999, 1 - (1 - value) * f), 6) for f in (0.8, 1.2)}
@@ -436,9 +438,9 @@ class StubRun:
 
 
 def coordinator(workers: int) -> tuple:
-    population = tpm.Population.__new__(tpm.Population)  # the coordinator's bookkeeping without processes
+    population = Population.__new__(Population)  # the coordinator's bookkeeping without processes
     population.run = StubRun(tpm.Config(num_workers=workers, pbt_interval=1024, pbt_fraction=0.34))
-    population.status = [tpm.WorkerStatus(hyper={"learning_rate": 1e-3 * (i + 1)}) for i in range(workers)]
+    population.status = [WorkerStatus(hyper={"learning_rate": 1e-3 * (i + 1)}) for i in range(workers)]
     population.pbt_waiting, population.pbt_events = {}, []
     population.pbt_rng = np.random.default_rng(0)
     told = []
