@@ -38,7 +38,6 @@ import os
 # the cores are shared with workers or anything else (see "Threads" in docs/conventions.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import copy
 import math
 import re
 import sys
@@ -52,10 +51,13 @@ import numpy as np
 
 from common.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.config import ConfigError, require, require_env_id, require_positive
+from common.gae import flat_batch
 from common.normalize import NormalizationSettings
+from common.numpy_actor_critic import acts_in_numpy
 from common.population import Members, Population, check_member_values
 from common.population_member import MemberSetup, Orders, evaluate_policy, policy_actions, split_kwargs
 from common.population_relay import PopulationNode
+from common.ppo_learner import LEARNERS, PPOSettings, choose_learner, make_learner
 from common.run import (
     RECENT,
     EnvInfo,
@@ -195,7 +197,7 @@ class TrainKwargs(RunConfig):
         require(0 < self.pbt_fraction <= 0.5, "pbt_fraction", self.pbt_fraction, "must be in (0, 0.5]")
         require(0 <= self.pbt_perturb < 1, "pbt_perturb", self.pbt_perturb, "must be in [0, 1)")
         assign_devices(self.num_workers, self.device, self.gpu_strategy, self.num_gpus)  # GPUs that are not there
-        require(self.learner in ("auto", "numpy", "torch"), "learner", self.learner, "must be auto, numpy or torch")
+        require(self.learner in LEARNERS, "learner", self.learner, "must be auto, numpy or torch")
 
 
 @dataclass
@@ -243,71 +245,60 @@ class Agent:
     def __init__(self, link, setup: MemberSetup, data, log):
         import torch
 
-        from common import networks, numpy_ppo, optim, ppo, rollout
+        from common import rollout
         from common.envs import make_vec_env
 
         self.link, self.setup, self.data, self.log = link, setup, data, log
         self.orders = Orders(link, setup.member, log)  # the coordinator's stop order and PBT answers
         self.cfg = cfg = config_from_dict(setup.config)
         self.index, self.hyper = setup.member, dict(setup.hyper)
+        # torch's generator too, whichever learner runs: a sampled evaluation draws from it, checkpoints keep it.
         torch.manual_seed(cfg.seed + self.index)
         np.random.seed(cfg.seed + self.index)
         n = cfg.num_envs_per_worker
         self.envs = make_vec_env(cfg.env_id, n, cfg.seed, first_index=self.index * n,
                                  **split_kwargs(setup.env_kwargs, "train", data, setup.item_indices))
         obs_space, action_space = self.envs.single_observation_space, self.envs.single_action_space
-        self.device = torch.device(setup.device)
         seed = cfg.seed + 7919 * self.index
-        # An MLP policy on the CPU learns in numpy (common/numpy_ppo.py, as train_parallel_timed.py's does):
-        # the same network, loss and Adam without torch's per-operation overhead, about twice as fast an
-        # update on the market's 333 inputs. Its checkpoints are the ones the torch learner writes.
-        self.numpy = cfg.learner == "numpy" or (cfg.learner == "auto"
-                                                and rollout.numpy_learner_fits(setup.device, obs_space))
-        if self.numpy:
-            spec = rollout.actor_critic_spec(obs_space, action_space, cfg.hidden_sizes, cfg.activation,
-                                             cfg.log_std_init)
-            self.learner = numpy_ppo.MLPActorCritic(spec, obs_space, action_space, seed=cfg.seed + self.index)
-            self.optimizer = numpy_ppo.Adam(self.learner.params, self.learner.grads, self.learner.shapes,
-                                            lr=self.hyper["learning_rate"], eps=1e-5)
-            self.actor = None  # the rollouts act in numpy from self.learner.params
-            acting = rollout.NumpyActing(obs_space, action_space, cfg.hidden_sizes, cfg.activation,
-                                         lambda: self.learner.params, seed)
-        else:
-            self.learner = networks.ActorCritic(obs_space, action_space, tuple(cfg.hidden_sizes), cfg.activation,
-                                                cfg.log_std_init).to(self.device)
-            # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
-            self.actor = self.learner if self.device.type == "cpu" else copy.deepcopy(self.learner).cpu()
-            self.optimizer = optim.FusedAdam(self.learner.parameters(), lr=self.hyper["learning_rate"], eps=1e-5)
-            acting = ppo.acting_for(self.actor, seed)
+        # An MLP policy on the CPU learns in numpy (common/numpy_ppo.py): the same network, loss and Adam
+        # without torch's per-operation overhead, about twice as fast an update on the market's 333 inputs.
+        name = choose_learner(cfg.learner, setup.device, obs_space)
+        self.learner = make_learner(name, obs_space, action_space, cfg, self.hyper["learning_rate"],
+                                    self.ppo_settings(), seed=cfg.seed + self.index, shuffle_seed=seed,
+                                    device=setup.device)
+        acting = self.learner.acting(seed)
         self.counters = {"global_step": 0, "episodes": 0, "updates": 0, "wall_time": 0.0, "pbt_exploits": 0,
                          "recent_returns": []}
         self.normalizer = rollout.make_normalizer(cfg, obs_space, action_space, self.hyper["gamma"])
         if setup.checkpoint:
             self.restore(setup.checkpoint)
+            self.learner.seed_minibatches(seed + self.counters["updates"])  # not the order of its first updates
         self.recent = deque(self.counters["recent_returns"], maxlen=RECENT)
         layout = rollout.rollout_layout(cfg.n_steps, n, obs_space, action_space)
         self.buf = {key: np.zeros(shape, dtype) for key, (shape, dtype) in layout.items()}
         # Each agent is its own learner: its normalization statistics are its own too.
         self.collector = rollout.RolloutCollector(acting, self.envs, self.buf, slice(None), self.normalizer)
-        self.generator = torch.Generator().manual_seed(seed + self.counters["updates"])
-        self.rng = np.random.default_rng(seed + self.counters["updates"])  # the numpy learner's minibatches
         self.clock = (time.monotonic(), time.process_time(), self.counters["global_step"], self.counters["wall_time"])
         log.info("worker %d: pid %d, device %s (%s learner), %d envs of %s, hyperparameters %s", self.index,
-                 os.getpid(), self.device, "numpy" if self.numpy else "torch", n, cfg.env_id, self.hyper)
+                 os.getpid(), self.learner.device, self.learner.name, n, cfg.env_id, self.hyper)
         log.info("worker %d %s", self.index, rollout.describe_rollout(self.buf, obs_space))
+
+    def ppo_settings(self) -> PPOSettings:
+        """The next update's settings: this worker's own clip_coef and ent_coef (PBT may change them)."""
+        cfg, h = self.cfg, self.hyper
+        return PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"], cfg.vf_coef,
+                           cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
 
     # -- checkpoints
     def restore(self, path: str) -> None:
         """Continue from one of this worker's checkpoints; one that cannot fit is a configuration error."""
         try:
-            state = load_checkpoint(path, map_location=self.device,
+            state = load_checkpoint(path, map_location=self.learner.device,
                                     required=("model", "optimizer", "counters", "hyper", "rng"))
-            self.learner.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.learner.load_state_dict(state)
         except (CheckpointError, RuntimeError, ValueError) as err:
             reason = str(err).strip().splitlines()[0][:200]
             raise WorkerConfigError(f"worker {self.index} cannot continue from {path}: {reason}") from None
-        self.sync_actor()
         self.normalizer.load_state_dict(state)
         self.hyper = dict(state["hyper"])  # PBT may have changed them
         self.normalizer.gamma = self.hyper["gamma"]
@@ -321,8 +312,7 @@ class Agent:
         c["recent_returns"], c["wall_time"] = list(self.recent), self.wall_time()
         state = {"script": MODE.script, "config": self.setup.config, "counters": dict(c),
                  "env": {"id": self.cfg.env_id, "kwargs": self.setup.env_kwargs},
-                 "rng": rng_state(), "model": self.learner.state_dict(), "policy": self.learner.spec,
-                 "optimizer": self.optimizer.state_dict(), **self.normalizer.state_dict(),
+                 "rng": rng_state(), **self.learner.state_dict(), **self.normalizer.state_dict(),
                  "worker": self.index, "hyper": dict(self.hyper),
                  "item_indices": self.setup.item_indices}
         path = save_checkpoint(state, Path(self.setup.run_dir) / "checkpoints" / name)
@@ -357,43 +347,26 @@ class Agent:
         return True
 
     def update(self) -> dict[str, float] | None:
-        import torch
-
-        from common import numpy_ppo, ppo, rollout
-
-        cfg, h = self.cfg, self.hyper
+        h = self.hyper
         started = time.perf_counter()
-        settings = rollout.PPOSettings(cfg.n_epochs, cfg.batch_size, h["clip_coef"], cfg.clip_vloss, h["ent_coef"],
-                                       cfg.vf_coef, cfg.max_grad_norm, cfg.norm_adv, cfg.target_kl)
-        batch = rollout.flat_batch(self.buf, h["gamma"], h["gae_lambda"], self.normalizer)
+        batch = flat_batch(self.buf, h["gamma"], h["gae_lambda"], self.normalizer)
         self.normalizer.update(self.buf["obs"], self.buf["disc_returns"])  # after the batch used the old statistics
-        if self.numpy:
-            stats = numpy_ppo.ppo_update(self.learner, self.optimizer, batch, settings, self.rng)
-            finite = bool(np.isfinite(self.learner.params).all())
-        else:
-            stats = ppo.ppo_update(self.learner, self.optimizer, ppo.as_tensors(batch, self.device), settings,
-                                   self.generator)
-            finite = all(torch.isfinite(p).all() for p in self.learner.parameters())
+        self.learner.settings = self.ppo_settings()
+        stats = self.learner.update(batch)
         self.counters["updates"] += 1
-        if not (finite and math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])):
+        if not (self.learner.finite() and math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])):
             reason = f"loss became {stats['policy_loss']} at update {self.counters['updates']}"
             self.log.error("worker %d: %s; stopping without saving", self.index, reason)
             self.link.send("diverged", {"reason": reason})
             return None
-        self.sync_actor()
         return {**stats, "update_ms": 1000 * (time.perf_counter() - started)}
-
-    def sync_actor(self) -> None:
-        """A CPU copy that acts for a GPU learner takes the learner's weights (numpy acting reads them itself)."""
-        if self.actor is not None and self.actor is not self.learner:
-            self.actor.load_state_dict(self.learner.state_dict())
 
     def set_learning_rate(self) -> None:
         """This worker's own rate (PBT may have changed it), annealed over its step budget when anneal_lr is on.
         Set before every update: a checkpoint or a PBT donor's optimizer state carries another rate."""
         budget = self.cfg.max_steps_per_worker
         frac = max(0.0, 1.0 - self.counters["global_step"] / budget) if self.cfg.anneal_lr and budget else 1.0
-        self.optimizer.param_groups[0]["lr"] = frac * self.hyper["learning_rate"]
+        self.learner.learning_rate = frac * self.hyper["learning_rate"]
 
     def crossed(self, every: int, rollout: int) -> bool:
         """Did the last rollout pass a multiple of ``every`` steps?"""
@@ -427,7 +400,7 @@ class Agent:
     def report(self, episodes: list[dict], stats: dict, steps: int, started: float, saved: Path | None) -> None:
         c = self.counters
         self.link.send("update", {"step": c["global_step"], "steps": steps, "episodes": episodes, "stats": stats,
-                                  "learning_rate": self.optimizer.param_groups[0]["lr"], "started": started,
+                                  "learning_rate": self.learner.learning_rate, "started": started,
                                   "recent_return": self.recent_return(), "checkpoint": str(saved or ""),
                                   **self.rates()})
         self.log.info("update %d: step %d, episodes %d, recent return %.3f, policy loss %.4f, value loss %.4f, "
@@ -444,10 +417,8 @@ class Agent:
         answer = self.orders.pbt_answer(step, self.cfg.worker_timeout_s)
         if answer is None:
             return
-        donor = load_checkpoint(answer["path"], map_location=self.device, required=("model", "optimizer"))
-        self.learner.load_state_dict(donor["model"])
-        self.optimizer.load_state_dict(donor["optimizer"])
-        self.sync_actor()
+        donor = load_checkpoint(answer["path"], map_location=self.learner.device, required=("model", "optimizer"))
+        self.learner.load_state_dict(donor)
         self.normalizer.load_state_dict(donor)  # the copied weights expect the donor's view of the world
         self.hyper = dict(answer["hyper"])
         self.normalizer.gamma = self.hyper["gamma"]
@@ -480,7 +451,7 @@ class Agent:
         cfg = self.cfg
         envs = make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                             **split_kwargs(self.setup.env_kwargs, "eval", self.data, self.setup.item_indices))
-        policy = policy_actions(self.acting_network(), envs.single_action_space, cfg.eval_deterministic,
+        policy = policy_actions(self.learner.torch_network(), envs.single_action_space, cfg.eval_deterministic,
                                 self.normalizer)
 
         def act(obs: np.ndarray, masks) -> np.ndarray:
@@ -490,18 +461,6 @@ class Agent:
             return policy(obs, masks)
 
         return evaluate_policy(envs, act, cfg.eval_episodes, cfg.eval_seed, stop=self.orders.past_report_by)
-
-    def acting_network(self):
-        """The torch network evaluation plays with: the actor, or the numpy learner's weights in an ActorCritic."""
-        import torch
-
-        from common.networks import build_network
-
-        if self.actor is not None:
-            return self.actor
-        network = build_network(self.learner.spec)
-        network.load_state_dict({name: torch.from_numpy(value) for name, value in self.learner.state_dict().items()})
-        return network
 
 
 # ------------------------------------------------------------------------------ the mode
@@ -515,20 +474,14 @@ def population(run):
 
 def check_learner(cfg, env) -> None:
     """Refuse ``--learner numpy`` where a worker could not learn with it, before anything is written (exit 2)."""
-    from common.rollout import numpy_learner_fits
-
-    if cfg.learner == "numpy" and not all(numpy_learner_fits(device, env.observation_space)
-                                          for device in worker_devices(cfg, env.observation_space)):
-        raise ConfigError("learner", cfg.learner, "numpy learns an MLP policy (vector observations) on the CPU; "
-                          "use torch or auto for images or a GPU")
+    for device in worker_devices(cfg, env.observation_space):
+        choose_learner(cfg.learner, device, env.observation_space)
 
 
 def worker_devices(cfg, observation_space) -> list[str]:
     """Each of this rank's workers' device: worker i on cuda:(i mod G) with --gpu-strategy round-robin (G =
     --num-gpus or every visible GPU), all on one GPU with single or an explicit cuda:N, CPU without CUDA.
     ``auto`` uses the GPUs for a CNN policy (image observations) only: MLP policies train faster on the CPU."""
-    from common.rollout import acts_in_numpy
-
     return assign_devices(cfg.num_workers, cfg.device, cfg.gpu_strategy, cfg.num_gpus,
                           gpu_pays=not acts_in_numpy(observation_space))
 

@@ -37,7 +37,8 @@ import yaml  # noqa: E402
 from common.envs import make_vec_env  # noqa: E402
 from common.networks import ActorCritic  # noqa: E402
 from common.optim import FusedAdam  # noqa: E402
-from common.ppo import PPOSettings, acting_for, ppo_update  # noqa: E402
+from common.ppo import acting_for, ppo_update  # noqa: E402
+from common.ppo_learner import PPOSettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bound.md"
 

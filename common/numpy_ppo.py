@@ -25,8 +25,6 @@ from common.network_spec import actor_critic_spec
 from common.numpy_actor_critic import LOG_SQRT_2PI, MLPActorCritic, NumpyActing, forward, split_flat
 from common.ppo_learner import PROXIMAL_WEIGHT_CAP, PPOLearner, PPOSettings
 
-__all__ = ["Adam", "MLPActorCritic", "NumpyLearner", "loss_and_gradients", "ppo_update"]
-
 
 def loss_and_gradients(model: MLPActorCritic, obs, actions, old_logprobs, advantages, returns, old_values,
                        settings: PPOSettings, weights=None) -> dict[str, float]:
@@ -198,6 +196,15 @@ class NumpyLearner(PPOLearner):
     def acting(self, seed: int) -> NumpyActing:
         return NumpyActing(*self.spaces, self.spec["hidden_sizes"], self.spec["activation"], lambda: self.model.params,
                            seed)
+
+    def torch_network(self):
+        import torch  # here only: the numpy learner itself never needs it
+
+        from common.networks import build_network
+
+        network = build_network(self.spec)
+        network.load_state_dict({name: torch.from_numpy(value) for name, value in self.model.state_dict().items()})
+        return network
 
     def finite(self) -> bool:
         return bool(np.isfinite(self.model.params).all())

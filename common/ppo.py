@@ -22,8 +22,6 @@ from common.numpy_actor_critic import NumpyActing
 from common.optim import FusedAdam
 from common.ppo_learner import PROXIMAL_WEIGHT_CAP, PPOLearner, PPOSettings
 
-__all__ = ["PPOSettings", "TorchActing", "TorchLearner", "acting_for", "as_tensors", "ppo_update"]
-
 
 class TorchActing:
     """The rollout step done by the torch network itself (images, and anything not an MLP).
@@ -168,7 +166,7 @@ class TorchLearner(PPOLearner):
         self.spec = self.model.spec
         # Adam's fused kernel, without torch.optim's 1.6 s import of the compiler (common/optim.py)
         self.optimizer = FusedAdam(self.model.parameters(), lr=learning_rate, eps=1e-5)
-        self.actor: nn.Module | None = None  # the CPU copy that acts for a learner on a GPU (acting())
+        self.actor: nn.Module | None = None  # the CPU network that acts (torch_network())
         if state is not None:
             self.load_state_dict(state)
         self.dist, self.after_backward = dist, None
@@ -195,10 +193,13 @@ class TorchLearner(PPOLearner):
         networks.write_flat_params(self.model, out)
 
     def acting(self, seed: int):
+        return acting_for(self.torch_network(), seed)
+
+    def torch_network(self) -> nn.Module:
         # Rollouts step a few observations at a time, where a GPU only adds latency: act with a CPU copy.
         if self.actor is None:
             self.actor = self.model if self.device.type == "cpu" else copy.deepcopy(self.model).cpu()
-        return acting_for(self.actor, seed)
+        return self.actor
 
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())

@@ -100,6 +100,12 @@ class PPOLearner:
         ``acting``): in numpy for an MLP policy, else with a CPU torch network kept in step with the learner."""
         raise NotImplementedError
 
+    def torch_network(self):
+        """The policy as a ``common.networks.ActorCritic`` on the CPU with the current parameters (an evaluation
+        plays with it): the torch learner's own network, or the CPU copy that acts for it; the numpy learner's
+        weights in a new one."""
+        raise NotImplementedError
+
     def finite(self) -> bool:
         """Whether every parameter is finite (an update that diverged leaves them NaN)."""
         raise NotImplementedError

@@ -18,19 +18,9 @@ from collections import Counter
 
 import numpy as np
 
-from common.gae import compute_gae, flat_batch
-from common.network_spec import actor_critic_spec
 from common.normalize import Normalizer
-from common.numpy_actor_critic import NumpyActing, actor_critic_shapes, acts_in_numpy, parameter_count, split_flat
-from common.ppo_learner import PPOSettings, numpy_learner_fits
 from common.replay import describe_observations
 from common.shm import Seqlock
-
-# This module's own names, and (from PPOSettings on) names whose homes are the modules imported above, re-exported
-# for the callers that import them from here: train_ppo_multiprocess.py, tests/test_common.py, benchmarks/bench_gpu.py.
-__all__ = ["PublishedParams", "RolloutCollector", "action_bounds", "describe_rollout", "make_normalizer",
-           "rollout_layout", "PPOSettings", "NumpyActing", "actor_critic_shapes", "actor_critic_spec", "acts_in_numpy",
-           "compute_gae", "flat_batch", "numpy_learner_fits", "parameter_count", "split_flat"]
 
 
 def rollout_layout(n_steps: int, num_envs: int, observation_space, action_space) -> dict[str, tuple]:

@@ -26,8 +26,8 @@ from common.checkpoint import (
 )
 from common.config import ConfigError, parse_config, require
 from common.envs import make_vec_env
+from common.gae import compute_gae
 from common.networks import ActorCritic, flat_size, read_flat_params, write_flat_params
-from common.rollout import compute_gae
 from common.shm import SHM_DIR as SHM
 from common.shm import SharedArray, reclaim_stale_segments, segments_of
 from common.system import assign_devices, resolve_device, threads_per_process
@@ -356,14 +356,8 @@ def test_a_collector_takes_up_parameters_published_during_its_rollout():
     log-probability of the parameters that acted; a reader that never gets a whole copy says so."""
 
     from common.normalize import Normalizer
-    from common.rollout import (
-        NumpyActing,
-        PublishedParams,
-        RolloutCollector,
-        actor_critic_shapes,
-        parameter_count,
-        rollout_layout,
-    )
+    from common.numpy_actor_critic import NumpyActing, actor_critic_shapes, parameter_count
+    from common.rollout import PublishedParams, RolloutCollector, rollout_layout
     from common.shm import Seqlock
 
     envs = make_vec_env("CartPole-v1", 4, seed=0)
@@ -450,7 +444,7 @@ def test_numpy_acting_from_flat_parameters_is_the_torch_network(continuous, hidd
     import gymnasium as gym
 
     from common.networks import write_flat_params
-    from common.rollout import NumpyActing, actor_critic_shapes
+    from common.numpy_actor_critic import NumpyActing, actor_critic_shapes
 
     obs_space = gym.spaces.Box(-1, 1, (5,))
     act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)

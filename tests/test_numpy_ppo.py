@@ -19,9 +19,9 @@ from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import ConfigError
 from common.network_spec import actor_critic_spec
 from common.networks import ActorCritic
-from common.numpy_actor_critic import NumpyActing, forward, split_flat
+from common.numpy_actor_critic import MLPActorCritic, NumpyActing, forward, split_flat
 from common.optim import FusedAdam
-from common.ppo_learner import choose_learner, make_learner
+from common.ppo_learner import PPOSettings, choose_learner, make_learner
 
 DISCRETE = gym.spaces.Box(-5, 5, (6,), np.float32), gym.spaces.Discrete(3)
 CONTINUOUS = gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32)
@@ -29,7 +29,7 @@ CONTINUOUS = gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,)
 
 def pair(spaces, activation="tanh", hidden=(16, 8), seed=0):
     spec = actor_critic_spec(*spaces, hidden, activation, -0.3)
-    model = numpy_ppo.MLPActorCritic(spec, *spaces, seed)
+    model = MLPActorCritic(spec, *spaces, seed)
     agent = ActorCritic(*spaces, hidden, activation, -0.3)
     agent.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
     return model, agent
@@ -53,7 +53,7 @@ def batch_for(spaces, size=64, seed=1):
 def settings(**changes):
     fields = dict(n_epochs=1, minibatch_size=64, clip_coef=0.2, clip_vloss=False, ent_coef=0.01, vf_coef=0.5,
                   max_grad_norm=1e9)
-    return ppo.PPOSettings(**{**fields, **changes})
+    return PPOSettings(**{**fields, **changes})
 
 
 def torch_gradients(agent, batch, ppo_settings):
@@ -156,7 +156,7 @@ def test_updates_with_clipping_and_adam_match_the_torch_learner(spaces, decouple
 def test_initialization_is_actor_critics_and_state_dicts_interchange():
     spaces = CONTINUOUS
     spec = actor_critic_spec(*spaces, (16, 8), "tanh", -0.3)
-    model = numpy_ppo.MLPActorCritic(spec, *spaces, seed=5)
+    model = MLPActorCritic(spec, *spaces, seed=5)
     agent = ActorCritic(*spaces, (16, 8), "tanh", -0.3)
     state = model.state_dict()
     assert list(state) == list(agent.state_dict())  # same names, same order (the flat parameter layout)
@@ -171,7 +171,7 @@ def test_initialization_is_actor_critics_and_state_dicts_interchange():
         assert not state[f"{layer}.bias"].any()
     np.testing.assert_array_equal(state["actor_logstd"], np.full((1, 2), -0.3, np.float32))
     assert not np.array_equal(state["critic.0.weight"],
-                              numpy_ppo.MLPActorCritic(spec, *spaces, seed=6).state_dict()["critic.0.weight"])
+                              MLPActorCritic(spec, *spaces, seed=6).state_dict()["critic.0.weight"])
     # torch -> numpy: the same network acts the same
     agent.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     trained = ActorCritic(*spaces, (16, 8), "tanh", -0.3)
@@ -207,7 +207,8 @@ class Network:  # a PPO script's config, as far as make_learner reads it
 @pytest.mark.parametrize("spaces", [DISCRETE, CONTINUOUS])
 def test_both_learners_stand_behind_one_interface(spaces, tmp_path):
     """Built by make_learner, either learner updates on a flat numpy batch, publishes its flat parameters (which
-    numpy acting reads), takes a learning rate, and writes a checkpoint the other one loads and continues from."""
+    numpy acting reads), takes a learning rate, gives a torch network to evaluate with, and writes a checkpoint
+    the other one loads and continues from."""
     learners = {name: make_learner(name, *spaces, Network, 3e-3, settings(n_epochs=2), seed=0,
                                    shuffle_seed=0) for name in ("numpy", "torch")}
     batch = batch_for(spaces)
@@ -237,6 +238,12 @@ def test_both_learners_stand_behind_one_interface(spaces, tmp_path):
     from_published = NumpyActing(*spaces, Network.hidden_sizes, Network.activation, lambda: published["numpy"], 1)
     np.testing.assert_array_equal(from_published.value(obs), numpy_learner.acting(1).value(obs))
     np.testing.assert_allclose(torch_learner.acting(1).value(obs), from_published.value(obs), rtol=1e-4, atol=1e-5)
+    # an evaluation plays with a torch network of the current parameters: the torch learner's own on the CPU
+    assert torch_learner.torch_network() is torch_learner.model
+    for learner in learners.values():
+        with torch.no_grad():
+            values = learner.torch_network().get_value(torch.as_tensor(obs, dtype=torch.float32)).numpy()
+        np.testing.assert_allclose(values, from_published.value(obs), rtol=1e-4, atol=1e-5)
     # a checkpoint of either continues in the other
     state = torch_learner.state_dict()
     assert set(state) == {"model", "optimizer", "policy"}

@@ -369,7 +369,7 @@ def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_
     With either learner, across learners too: the numpy one (auto's choice for an MLP on the CPU) writes and
     loads the torch learner's checkpoints."""
     donor = tiny_agent(tmp_path, ScriptedLink(), member=1, norm_obs=True, gamma=[0.9, 0.9999], learner=donor_learner)
-    assert donor.numpy == (donor_learner == "numpy")
+    assert donor.learner.name == donor_learner
     donor.collector.next_obs = donor.envs.reset()
     donor.collector.collect(16)
     donor.update()
@@ -390,10 +390,11 @@ def test_a_pbt_copy_takes_the_donors_weights_optimizer_statistics_and_perturbed_
     copier.recent.extend([5.0, 6.0])
     copier.pbt_step(None)
     assert link.kinds() == ["pbt_ready", "pbt_copied"]
-    for mine, theirs in zip(copier.learner.state_dict().values(), donor.learner.state_dict().values()):
+    assert copier.learner.name == learner
+    for mine, theirs in zip(copier.learner.model.state_dict().values(), donor.learner.model.state_dict().values()):
         assert np.array_equal(np.asarray(mine), np.asarray(theirs))
-    assert np.array_equal(np.asarray(copier.optimizer.state_dict()["state"][0]["exp_avg"]),
-                          np.asarray(donor.optimizer.state_dict()["state"][0]["exp_avg"]))
+    assert np.array_equal(np.asarray(copier.learner.optimizer.state_dict()["state"][0]["exp_avg"]),
+                          np.asarray(donor.learner.optimizer.state_dict()["state"][0]["exp_avg"]))
     mine, theirs = copier.normalizer.state_dict()["obs_norm"], donor.normalizer.state_dict()["obs_norm"]
     assert theirs["count"] > 1 and all(np.array_equal(mine[k], theirs[k]) for k in theirs)
     assert copier.hyper == offer and copier.normalizer.gamma == offer["gamma"] and offer["gamma"] <= 0.9999
