@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from common import script_modes
+
 
 @dataclass(frozen=True)
 class LaunchMode:
@@ -53,18 +55,7 @@ MODES = {mode.name: mode for mode in (
 
 def script_module(name: str) -> ModuleType:
     """The training script of mode ``name``, imported."""
-    match name:
-        case "timed":
-            import train_parallel_timed as script
-        case "dqn":
-            import parallel_train_dqn as script
-        case "ultra":
-            import ultra_parallel_train_dqn as script
-        case "ppo-multiprocess":
-            import train_ppo_multiprocess as script
-        case _:
-            raise KeyError(name)
-    return script
+    return script_modes.script_module(MODES[name].script)
 
 
 @functools.cache
