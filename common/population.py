@@ -31,6 +31,7 @@ from common.config import require
 from common.distributed import launched_by_torchrun
 from common.population_member import MemberSetup, evaluate_policy, member_process, random_actions, split_kwargs
 from common.population_relay import FILE_PLACES, POLL_S, REPORTS, RemoteMembers, fingerprint
+from common.ppo_learner import choose_learner
 from common.rank_exchange import stop_message
 from common.run import TrainingDiverged, checkpoint_run_dir, config_dict
 from common.supervisor import Supervisor, WorkerFailed
@@ -212,10 +213,14 @@ class Population:
                                         run.run_dir)
             run.defer(self.remote.close, {"reason": "rank 0 failed", "exit_code": 1})  # unless train() closed it
         self.supervisor = members.supervisor(run, self.args_for)
-        run.log.info("%s: %d workers x %d envs of %s%s, devices %s, target %s, run dir %s", members.script,
-                     cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id,
+        # The members' learners, as common.ppo_learner chooses them for their devices (one name where they agree).
+        learners = sorted({choose_learner(cfg.learner, device, run.env.observation_space)
+                           for device in members.devices})
+        self.learner = "/".join(learners)
+        run.log.info("%s: %d workers x %d envs of %s%s, devices %s, %s learner, target %s, run dir %s",
+                     members.script, cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id,
                      f" on each of {run.dist.world_size} ranks ({count} in all)" if self.remote else "",
-                     sorted(set(members.devices)), self.target, run.run_dir)
+                     sorted(set(members.devices)), self.learner, self.target, run.run_dir)
         self.save()  # from the start, so that a resume always finds the population's counters
         if self.remote is not None:
             self.hand_over()
@@ -492,7 +497,7 @@ class Population:
                     "finished": bool(s.result and s.result["finished"]), "gave_up": s.gave_up,
                     "diverged": s.diverged, "lost": s.lost, "failures": s.failures, "restarts": s.restarts}
                    for s in self.status]
-        return {"target_return": self.target, "target_per_worker": True, "cache": self.cache,
+        return {"target_return": self.target, "target_per_worker": True, "learner": self.learner, "cache": self.cache,
                 "item_indices": self.items, "training_sps": round(sum(s.sps for s in self.status), 1),
                 "population_size": len(self.status), "worker_restarts": sum(s.restarts for s in self.status),
                 "workers": workers, "leaderboard": self.leaderboard, "random_baseline": self.baseline,

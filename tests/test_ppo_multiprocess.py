@@ -88,6 +88,7 @@ def test_population_learns_ranks_and_keeps_its_agents(tmp_path, cache_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["global_step"] == 2 * 12288
     assert summary["stop_reason"].startswith("every worker is done")
+    assert summary["learner"] == "numpy" and ", numpy learner, target" in main_log  # MLP members on the CPU
     assert [w["step"] for w in summary["workers"]] == [12288, 12288]
     assert summary["pbt_events"] and summary["pbt_events"][0]["step"] in (4096, 8192)
     copier = summary["pbt_events"][0]["worker"]
