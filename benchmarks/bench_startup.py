@@ -2,13 +2,15 @@
 
     python benchmarks/bench_startup.py             # median of 5 runs of each command
     python benchmarks/bench_startup.py --repeats 9
+    python benchmarks/bench_startup.py --compare REV          # the same commands here and at revision REV
     python benchmarks/bench_startup.py --runs --compare REV   # training runs, here and at git revision REV
 
 Measures, in fresh processes, ``launch_parallel_training.py --check-only`` (also with a
-128-core, 1-GPU machine's facts assumed) and ``--help`` of the launcher and of every script:
-the wall time from process start to exit. Each should answer in under a second (torch,
-TensorBoard and matplotlib load only when a run starts). The table is printed and written to
-benchmarks/results/startup.md (replacing the previous one), with the machine's load at the start.
+128-core, 1-GPU machine's facts assumed), ``--help`` of the launcher and of every script, and
+``--validate-only`` of every training script: the wall time from process start to exit. Each should
+answer in under a second (torch, TensorBoard and matplotlib load only when a run starts). The table
+is printed and written to benchmarks/results/startup.md (replacing the previous one), with the
+machine's load at the start.
 
 With ``--runs``, short training runs of ``train_parallel_timed.py`` instead (:data:`RUNS`, a fixed
 step budget each): the start-up its summary reports (process start to the first env step of a
@@ -21,6 +23,7 @@ benchmarks/results/startup_runs.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -46,20 +49,46 @@ COMMANDS = [
     ["ultra_parallel_train_dqn.py", "--help"],
     ["train_ppo_multiprocess.py", "--help"],
     ["compare_results.py", "--help"],
+    ["train_parallel_timed.py", "--validate-only"],
+    ["parallel_train_dqn.py", "--validate-only"],
+    ["ultra_parallel_train_dqn.py", "--validate-only"],
+    ["train_ppo_multiprocess.py", "--validate-only"],
 ]
 
 
-def time_command(args: list[str], repeats: int) -> tuple[list[float], int]:
-    """Wall seconds of ``repeats`` fresh runs (after one warm-up run that fills the file cache)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, *args]
-    status = subprocess.run(command, cwd=ROOT, env=env, capture_output=True).returncode
-    seconds = []
-    for _ in range(repeats):
+def time_command(args: list[str], repeats: int, trees: dict[str, Path]) -> dict[str, tuple[list[float], int]]:
+    """Wall seconds of ``repeats`` fresh runs in each tree, alternately (after one warm-up run each that fills
+    the file cache), and the exit status."""
+    def once(tree: Path) -> tuple[float, int]:
         started = time.perf_counter()
-        subprocess.run(command, cwd=ROOT, env=env, capture_output=True)
-        seconds.append(time.perf_counter() - started)
-    return seconds, status
+        status = subprocess.run([sys.executable, *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                                capture_output=True).returncode
+        return time.perf_counter() - started, status
+
+    statuses = {label: once(tree)[1] for label, tree in trees.items()}
+    seconds: dict[str, list[float]] = {label: [] for label in trees}
+    for _ in range(repeats):
+        for label, tree in trees.items():
+            seconds[label].append(once(tree)[0])
+    return {label: (seconds[label], statuses[label]) for label in trees}
+
+
+@contextlib.contextmanager
+def trees_to_time(compare: str | None):
+    """This checkout, and a temporary git worktree of revision ``compare`` if one is asked for."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "this checkout"
+    trees = {f"{head} (this checkout)": ROOT}
+    with tempfile.TemporaryDirectory(prefix="prl_startup_") as tmp:
+        worktree = Path(tmp) / "compare"
+        if compare:
+            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), compare], cwd=ROOT, check=True)
+            trees[compare] = worktree
+        try:
+            yield trees, Path(tmp)
+        finally:
+            if compare:
+                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT)
 
 
 RUNS = {
@@ -87,28 +116,17 @@ def time_run(tree: Path, args: list[str], seed: int, out: Path) -> tuple[float, 
 def bench_runs(repeats: int, compare: str | None) -> int:
     load = os.getloadavg()
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "this checkout"
-    with tempfile.TemporaryDirectory(prefix="prl_startup_") as tmp:
-        trees = {f"{head} (this checkout)": ROOT}
-        worktree = Path(tmp) / "compare"
-        if compare:
-            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), compare], cwd=ROOT, check=True)
-            trees[compare] = worktree
-        try:
-            rows = []
-            for name, args in RUNS.items():
-                seen: dict[str, list] = {label: [] for label in trees}
-                for seed in range(1, repeats + 1):
-                    for label, tree in trees.items():  # alternately, so both sides see the same machine
-                        seen[label].append(time_run(tree, args, seed, Path(tmp) / "run"))
-                for label, runs in seen.items():
-                    medians = [statistics.median(run[i] for run in runs) for i in range(3)]
-                    rows.append(f"| {name} | {label} | {medians[0]:.2f} | {medians[1]:.2f} | {medians[2]:.2f} |")
-                    print(rows[-1], flush=True)
-        finally:
-            if compare:
-                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT)
+    with trees_to_time(compare) as (trees, tmp):
+        rows = []
+        for name, args in RUNS.items():
+            seen: dict[str, list] = {label: [] for label in trees}
+            for seed in range(1, repeats + 1):
+                for label, tree in trees.items():  # alternately, so both sides see the same machine
+                    seen[label].append(time_run(tree, args, seed, tmp / "run"))
+            for label, runs in seen.items():
+                medians = [statistics.median(run[i] for run in runs) for i in range(3)]
+                rows.append(f"| {name} | {label} | {medians[0]:.2f} | {medians[1]:.2f} | {medians[2]:.2f} |")
+                print(rows[-1], flush=True)
     command = f"python benchmarks/bench_startup.py --runs --repeats {repeats}"
     command += f" --compare {compare}" if compare else ""
     lines = [f"## {started}, {os.cpu_count()} logical cores, load average at start {load[0]:.2f} {load[1]:.2f} "
@@ -128,30 +146,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", action="store_true", help="time short training runs instead of --help")
-    parser.add_argument("--compare", metavar="REV", help="with --runs: also run git revision REV, alternately")
+    parser.add_argument("--compare", metavar="REV", help="also run git revision REV, alternately")
     opts = parser.parse_args()
     if opts.runs:
         return bench_runs(opts.repeats, opts.compare)
     load = os.getloadavg()
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
-    for args in COMMANDS:
-        seconds, status = time_command(args, opts.repeats)
-        median = statistics.median(seconds)
-        rows.append(f"| `{' '.join(args)}` | {median:.2f} | {min(seconds):.2f} | {max(seconds):.2f} | {status} | "
-                    f"{'yes' if median < TARGET_S else '**no**'} |")
-        print(rows[-1], flush=True)
+    with trees_to_time(opts.compare) as (trees, _):
+        for args in COMMANDS:
+            for label, (seconds, status) in time_command(args, opts.repeats, trees).items():
+                median = statistics.median(seconds)
+                rows.append(f"| `{' '.join(args)}` | {label} | {median:.2f} | {min(seconds):.2f} | {max(seconds):.2f} "
+                            f"| {status} | {'yes' if median < TARGET_S else '**no**'} |")
+                print(rows[-1], flush=True)
+    command = "python benchmarks/bench_startup.py" + (f" --compare {opts.compare}" if opts.compare else "")
     header = [
         "# Start-up times",
         "",
-        "`python benchmarks/bench_startup.py` (replaces this file). Wall time of a fresh process, from start "
-        f"to exit, median of {opts.repeats} runs after one warm-up run.",
+        f"`{command}` (replaces this file). Wall time of a fresh process, from start "
+        f"to exit, median of {opts.repeats} runs after one warm-up run (of each code, alternately).",
         "",
         f"## {started}, {platform.machine()}, {os.cpu_count()} logical cores, Python {platform.python_version()}, "
         f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
         "",
-        f"| command | median s | min s | max s | exit status | under {TARGET_S:.0f} s |",
-        "|---|---|---|---|---|---|",
+        f"| command | code | median s | min s | max s | exit status | under {TARGET_S:.0f} s |",
+        "|---|---|---|---|---|---|---|",
     ]
     RESULTS.write_text("\n".join(header + rows) + "\n")
     print(f"written to {RESULTS.relative_to(ROOT)}")
