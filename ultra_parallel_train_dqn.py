@@ -1,8 +1,9 @@
 """Asynchronous actor-learner DQN over a replay buffer in shared memory (Ape-X style).
 
-``--num-workers`` actor processes each step ``--num-envs-per-worker`` environments with one
-batched forward pass per step, each actor with its own exploration rate, and write n-step
-transitions straight into a replay buffer in shared memory (no transition is pickled).
+``--num-workers`` actor processes (``common.dqn_actors``) each step ``--num-envs-per-worker``
+environments with one batched forward pass per step, each actor with its own exploration rate,
+and write n-step transitions straight into a replay buffer in shared memory (no transition is
+pickled).
 The learner (this process; GPU when present) samples large batches and runs Double DQN
 (``common.dqn.DQNLearner``: target network, gradient accumulation, mixed precision where it
 is safe, optionally prioritized replay) at ``--replay-ratio`` gradient updates per env
@@ -10,8 +11,8 @@ transition, and publishes its weights through shared memory with a version count
 actors poll. ``--no-async-training`` alternates collecting and learning instead, for comparison.
 
 Under ``torchrun`` rank 0 runs all of the above, and every other rank runs only its own
-``--num-workers`` actors (``ActorRank``), whose transitions its main process ships to rank 0's
-replay in batches over ``common.hub``; the weights go back the same way
+``--num-workers`` actors, whose transitions its main process ships to rank 0's replay in
+batches (``common.transition_relay``); the weights go back the same way
 (docs/multi-node.md#ultra_parallel_train_dqnpy-ape-x).
 
 Checkpoints: ``checkpoints/ultra_model_ep<N>.pt`` (the newest ``--keep-checkpoints``) and, when
@@ -42,23 +43,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import aliased, require, require_positive, to_dict
-from common.distributed import PeerFailure, launched_by_torchrun
-from common.envs import make_vec_env
+from common.config import aliased, require, require_positive
+from common.distributed import launched_by_torchrun
 from common.envs.grid_coverage import VIEWS as GRID_VIEWS
-from common.hub import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer, stop_message
-from common.lazy import lazy_import
-from common.replay import fit_buffer_size, nstep_returns, storage_dtype
-from common.replay_shm import ReplayLayout, make_replay, open_writer
-from common.run import EXIT_FAILED, Mode, RunConfig, TrainingDiverged, run_training, train_in_process
-from common.shm import SharedArrays, attach_all
-from common.supervisor import Supervisor, WorkerConfigError, WorkerFailed, set_torch_threads
+from common.rank_exchange import code_digest, stop_message
+from common.replay import fit_buffer_size, storage_dtype
+from common.replay_shm import ReplayLayout, make_replay
+from common.run import Mode, RunConfig, run_training, train_in_process
+from common.shm import SharedArrays
+from common.supervisor import WorkerFailed
 from common.system import resolve_device
+
+# torch and the modules that import it (common.dqn, common.dqn_actors, common.networks,
+# common.transition_relay) are imported where they are used, so that --help and --validate-only
+# answer without loading it.
 
 DEFAULT_BUFFER = 200_000
 CHECKPOINT_PATTERN = r"ultra_model_ep\d+\.pt|latest\.pt"
-# torch and what imports it load on first use, so that --help and --validate-only answer at once.
-torch, dqn, networks = lazy_import("torch"), lazy_import("common.dqn"), lazy_import("common.networks")
 
 
 @aliased  # seed 001's names (n_workers, n_episodes, envs_per_worker) read and write the same fields
@@ -191,197 +192,10 @@ def check_memory(cfg: Config, env) -> None:
     env.extra["notes"] = [note] if note else []
 
 
-# --------------------------------------------------------------------------- actors
-# Everything an actor shares with the learner lives in shared memory: the weights (SharedParams),
-# per-actor step counters and weight versions, and the control words below.
-
-GO, STEPS_BEFORE, ALLOWED = range(3)  # control: start flag, env steps before this invocation, steps actors may reach
-
-
-def control_arrays(arrays: SharedArrays, num_workers: int) -> None:
-    arrays.create("actor_steps", (num_workers,), np.int64)  # env steps (transitions) each actor took
-    arrays.create("actor_vsteps", (num_workers,), np.int64)  # vector steps each actor took
-    arrays.create("actor_version", (num_workers,), np.int64)  # weights version each actor acts with
-    arrays.create("collect_until", (num_workers,), np.int64)  # sync mode: vector steps an actor may reach
-    arrays.create("control", (3,), np.int64)
-
-
-def actor_epsilon(cfg: Config, actor: int, num_actors: int, global_step: int) -> float:
-    """Ape-X spread: eps_i = eps ** (1 + alpha * i / (n - 1)) over the n actors of every rank, with eps
-    decaying over the run."""
-    base = dqn.linear_schedule(cfg.epsilon_start, cfg.epsilon_end, cfg.epsilon_decay_steps, global_step)
-    if num_actors == 1:
-        return base
-    return base ** (1 + cfg.epsilon_alpha * actor / (num_actors - 1))
-
-
-class NStepAccumulator:
-    """Turns per-step transitions of ``num_envs`` environments into n-step transitions.
-
-    A transition leaves once it has ``n`` rewards, or when its episode ends (then with
-    fewer rewards and the final observation); ``discounts`` holds gamma ** rewards used.
-    """
-
-    def __init__(self, n: int, gamma: float, num_envs: int, obs_shape: tuple[int, ...], obs_dtype):
-        self.n, self.gamma = n, gamma
-        self.obs = np.zeros((n, num_envs, *obs_shape), dtype=obs_dtype)
-        self.actions = np.zeros((n, num_envs), dtype=np.int64)
-        self.rewards = np.zeros((n, num_envs), dtype=np.float32)
-        self.count = np.zeros(num_envs, dtype=np.int64)  # steps stored since the episode began
-        self.pos = 0
-
-    def push(self, obs, actions, rewards, final_obs, terminations, truncations) -> dict[str, np.ndarray] | None:
-        n, pos = self.n, self.pos
-        self.obs[pos], self.actions[pos], self.rewards[pos] = obs, actions, rewards
-        self.pos = (pos + 1) % n
-        self.count += 1
-        order = (pos + 1 + np.arange(n)) % n  # oldest first
-        done = terminations | truncations
-        out: list[dict[str, np.ndarray]] = []
-        full = np.flatnonzero((self.count >= n) & ~done)
-        if len(full):
-            returns = nstep_returns(self.rewards[order][:, full], self.gamma, n)[0][0]
-            out.append({"obs": self.obs[order[0], full], "actions": self.actions[order[0], full], "rewards": returns,
-                        "next_obs": final_obs[full], "dones": np.zeros(len(full)),
-                        "discounts": np.full(len(full), self.gamma ** n)})
-        for env in np.flatnonzero(done):  # flush every pending transition of a finished episode
-            steps = order[n - min(int(self.count[env]), n):]
-            returns, counts = nstep_returns(self.rewards[steps, env], self.gamma, n)
-            out.append({"obs": self.obs[steps, env], "actions": self.actions[steps, env], "rewards": returns,
-                        "next_obs": np.repeat(final_obs[env][None], len(steps), axis=0),
-                        "dones": np.full(len(steps), float(terminations[env])), "discounts": self.gamma ** counts})
-            self.count[env] = 0
-        if not out:
-            return None
-        batch = {key: np.concatenate([part[key] for part in out]) for key in out[0]}
-        for key in ("rewards", "dones", "discounts"):
-            batch[key] = batch[key].astype(np.float32)
-        return batch
-
-
-def initial_priorities(q_net, batch: dict[str, np.ndarray]) -> np.ndarray:
-    """|TD error| under the actor's own network, as Ape-X actors compute it on insertion."""
-    with torch.inference_mode():
-        q = q_net(torch.as_tensor(batch["obs"])).gather(1, torch.as_tensor(batch["actions"])[:, None]).squeeze(1)
-        next_q = q_net(torch.as_tensor(batch["next_obs"])).max(dim=1).values
-        target = torch.as_tensor(batch["rewards"]) + torch.as_tensor(batch["discounts"]) * next_q * \
-            (1 - torch.as_tensor(batch["dones"]))
-        return (target - q).abs().numpy()
-
-
-class Actor:
-    """One actor process: epsilon-greedy steps of its envs, n-step transitions into its replay partition.
-
-    ``index`` is its place among this rank's actors (the shared counters), ``actor`` among the
-    ``num_actors`` of every rank (its exploration rate)."""
-
-    def __init__(self, link, cfg: Config, shared: dict, replay, envs, seed: int, actor: int, num_actors: int):
-        self.link, self.cfg, self.shared, self.replay, self.envs = link, cfg, shared, replay, envs
-        self.index, self.actor, self.num_actors = link.index, actor, num_actors
-        self.params = networks.SharedParams(shared)
-        self.q_net = networks.QNetwork(envs.single_observation_space, envs.single_action_space,
-                                       tuple(cfg.hidden_sizes))
-        self.version = self.params.wait_fetch(self.q_net, 0, link.parent_alive)
-        shared["actor_version"][self.index] = self.version
-        self.rng = np.random.default_rng(seed)
-        space = envs.single_observation_space
-        self.nstep = NStepAccumulator(cfg.n_step, cfg.gamma, cfg.num_envs_per_worker, space.shape,
-                                      storage_dtype(space))
-        self.obs = envs.reset()
-        self.episodes: list[dict] = []
-
-    def must_wait(self) -> bool:
-        shared, i = self.shared, self.index
-        if not shared["control"][GO]:
-            return True  # the clock starts when every actor is ready
-        if not self.cfg.async_training and shared["actor_vsteps"][i] >= shared["collect_until"][i]:
-            return True  # sync mode: the learner opens the next collect phase
-        return shared["actor_steps"].sum() >= shared["control"][ALLOWED]  # rate limiter: the learner is behind
-
-    def run(self) -> None:
-        link, last_report = self.link, 0.0  # the first finished episodes go out at once (a short run has no other)
-        while not link.stop_requested:
-            for command, _ in link.commands():
-                if command != "stop":
-                    raise ValueError(f"actor {self.index}: unknown command {command!r}")
-            if link.stop_requested:
-                break
-            if self.must_wait():
-                link.receive(0.0005)  # returns at once for a stop; heartbeats meanwhile
-                continue
-            self.step()
-            if self.episodes and time.monotonic() - last_report > 0.1:
-                link.send("episodes", self.episodes)  # a few small dicts: the only thing a pipe carries
-                self.episodes, last_report = [], time.monotonic()
-
-    def step(self) -> None:
-        cfg, shared, i = self.cfg, self.shared, self.index
-        if shared["actor_vsteps"][i] % cfg.weight_poll_steps == 0 and self.params.version(0) != self.version:
-            self.version = self.params.fetch(self.q_net) or self.version
-            shared["actor_version"][i] = self.version
-        # The run's step count estimated from this actor's own progress: reading the other actors'
-        # counters would make exploration depend on scheduling, and sync runs unrepeatable (and
-        # the actors of other ranks are on other machines).
-        global_step = int(shared["control"][STEPS_BEFORE] + shared["actor_steps"][i] * self.num_actors)
-        epsilon = actor_epsilon(cfg, self.actor, self.num_actors, global_step)
-        with torch.inference_mode():
-            q_values = self.q_net(torch.as_tensor(self.obs)).numpy()
-        actions = dqn.epsilon_greedy(q_values, epsilon, self.rng)
-        result = self.envs.step(actions)
-        batch = self.nstep.push(self.obs, actions, result.rewards, result.final_obs, result.terminations,
-                                result.truncations)
-        if batch is not None:
-            if cfg.prioritized:
-                batch["priorities"] = initial_priorities(self.q_net, batch)
-            self.replay.add(batch)
-        shared["actor_steps"][i] += cfg.num_envs_per_worker
-        shared["actor_vsteps"][i] += 1
-        self.obs = result.obs
-        self.episodes += [{**episode, "epsilon": epsilon} for episode in result.episodes]
-
-
-def actor_main(link, cfg_dict: dict, env_kwargs: dict, shared_specs: dict, replay_spec: dict, seed: int, actor: int,
-               num_actors: int) -> None:
-    """Actor process (run by the supervisor, which reports a crash and restarts it)."""
-    set_torch_threads(1)
-    cfg = Config(**cfg_dict)
-    shared, handles = attach_all(shared_specs)
-    replay = open_writer(replay_spec, link.index, link)
-    envs = None
-    try:
-        try:
-            envs = make_vec_env(cfg.env_id, cfg.num_envs_per_worker, seed, **env_kwargs)
-        except Exception as err:  # a bad env id or keyword: no restart can fix it
-            raise WorkerConfigError(f"cannot create {cfg.env_id} with {env_kwargs}: {err}") from err
-        acting = Actor(link, cfg, shared, replay, envs, seed, actor, num_actors)
-        link.ready()
-        acting.run()
-    finally:
-        if envs is not None:
-            envs.close()
-        replay.close()
-        shared.clear()
-        for handle in handles:
-            handle.close()
-
-
-def start_actors(run, shared_specs: dict, replay_spec: dict, rank: int) -> Supervisor:
-    """This rank's ``num_workers`` actors; rank r's actor i is actor ``r * num_workers + i`` of the run."""
-    cfg = run.cfg
-    cfg_dict, supervisor = to_dict(cfg), None
-
-    def args_for(index: int) -> tuple:
-        lives = supervisor.workers[index].restarts if supervisor is not None else 0
-        actor = rank * cfg.num_workers + index
-        # Fresh seeds for a restarted actor, so it does not replay the episodes it died in.
-        seed = cfg.seed + actor * cfg.num_envs_per_worker + 1_000_003 * lives
-        return cfg_dict, run.env_kwargs, shared_specs, replay_spec, seed, actor, cfg.num_actors
-
-    supervisor = run.supervise(Supervisor(
-        actor_main, cfg.num_workers, args_for, name="worker", max_restarts=cfg.max_worker_restarts,
-        start_timeout_s=max(cfg.worker_timeout_s, 120.0), hang_timeout_s=cfg.worker_timeout_s, logger=run.log))
-    supervisor.start()
-    return supervisor
+def replay_layout(cfg: Config, env) -> ReplayLayout:
+    """Rank 0's replay: buffer_size slots, one partition per actor of every rank (rank r's block follows r - 1's)."""
+    space = env.observation_space
+    return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name, cfg.prioritized)
 
 
 # --------------------------------------------------------------------------- learner
@@ -389,25 +203,31 @@ def start_actors(run, shared_specs: dict, replay_spec: dict, rank: int) -> Super
 class UltraTrainer:
     """The learner: sample, update, publish, at the replay ratio, while the actors collect.
 
-    Under torchrun (rank 0) it also serves the actor ranks through a :class:`common.hub.Hub`:
+    Under torchrun (rank 0) it also serves the actor ranks (``common.transition_relay.RemoteActors``):
     their transitions go into their own partitions of the replay, their env steps and episodes
     into the run's counters, and the weights and the rate limit go back with every reply."""
 
     def __init__(self, run):
+        from common.dqn import DQNLearner
+        from common.dqn_actors import STEPS_BEFORE, control_arrays, start_actors
+        from common.networks import SharedParams, flat_size
+        from common.transition_relay import RemoteActors
+
         cfg, env, counters = run.cfg, run.env, run.counters
         self.run, self.cfg, self.world = run, cfg, run.dist.world_size
-        self.learner = dqn.DQNLearner.for_run(run)
+        self.learner = DQNLearner.for_run(run)
         self.recent_coverage = deque(counters.setdefault("recent_coverage", []), maxlen=100)
         arrays = SharedArrays()
         run.defer(arrays.unlink_all)
         control_arrays(arrays, cfg.num_workers)
-        self.params = networks.SharedParams.allocate(arrays, networks.flat_size(self.learner.q_net))
+        self.params = SharedParams.allocate(arrays, flat_size(self.learner.q_net))
         self.params.publish(self.learner.q_net)
         self.shared = {name: arrays[name] for name in arrays.specs()}
-        self.remote_steps: dict[int, int] = {}  # env steps of each actor rank in this invocation, as it reported
         self.rank_episodes = [0] * self.world  # episodes each rank finished in this invocation
         self.allowed: int | None = None  # the rate limiter's bound on every rank's env steps together
-        self.hub, self.ranks_stopped = self.open_hub() if self.world > 1 else None, False
+        self.ranks = RemoteActors(run, fingerprint(run), self.params) if self.world > 1 else None
+        # env steps of each actor rank in this invocation, as it reported them (kept by self.ranks)
+        self.remote_steps: dict[int, int] = self.ranks.steps if self.ranks is not None else {}
         self.step_offset = counters["global_step"]
         self.shared["control"][STEPS_BEFORE] = self.step_offset
         self.replay = self.make_replay()
@@ -429,18 +249,6 @@ class UltraTrainer:
                      self.replay.backend, layout.nbytes() / 2**20, "prioritized" if cfg.prioritized else "uniform",
                      cfg.replay_ratio, limit, self.learner.device, self.learner.precision, run.run_dir)
 
-    def open_hub(self) -> Hub:
-        """Meet the actor ranks: refuse those that run something else, hand the others the weights."""
-        run = self.run
-        hub = Hub(run.dist, transition_schema(self.cfg, run.env), run.log)
-        hub.refuse_mismatched(fingerprint(run))
-        hub.publish(control={"go": False}, params=self.params.params[0])
-        self.published = (time.monotonic(), self.params.version(0))  # what the actor ranks were last sent
-        hub.start()
-        # Reached only when the run ends before train() stops the ranks itself: a failure.
-        run.defer(self.stop_ranks, {"reason": "rank 0 failed", "exit_code": EXIT_FAILED})
-        return hub
-
     def make_replay(self):
         cfg, run = self.cfg, self.run
         replay = make_replay(replay_layout(cfg, run.env), cfg.replay_backend, alpha=cfg.per_alpha)
@@ -460,9 +268,12 @@ class UltraTrainer:
     # -- the loop
     def train(self) -> None:
         self.train_until_stopped()
-        self.stop_ranks(stop_message(self.run))  # after the last checkpoint: every rank ends as this one
+        if self.ranks is not None:  # after the last checkpoint: every rank ends as this one
+            self.ranks.stop(stop_message(self.run))
 
     def train_until_stopped(self) -> None:
+        from common.dqn_actors import GO
+
         run, cfg = self.run, self.cfg
 
         def stop_waiting() -> bool:
@@ -532,6 +343,8 @@ class UltraTrainer:
 
         The bound holds for the actors of every rank together: this rank's may go as far as the
         bound less what the actor ranks took (each actor rank gets the same sum in its replies)."""
+        from common.dqn_actors import ALLOWED
+
         cfg = self.cfg
         if cfg.async_training and cfg.rate_limit:
             updates = self.learner.updates - self.updates_base
@@ -542,11 +355,8 @@ class UltraTrainer:
     def learn_once(self) -> None:
         cfg, counters = self.cfg, self.run.counters
         progress = self.run.budget_used()
-        if cfg.anneal_lr:
-            self.learner.anneal(cfg.learning_rate, progress)
+        self.learner.anneal(progress)
         stats = self.learner.update(self.replay, cfg.batch_size, cfg.per_beta + (1 - cfg.per_beta) * progress)
-        if not math.isfinite(stats["loss"]):
-            raise TrainingDiverged(f"loss became {stats['loss']} at update {self.learner.updates + 1}")
         counters["updates"] = self.learner.updates
         self.window["losses"].append(stats["loss"])
         self.window["updates"] += 1
@@ -591,49 +401,24 @@ class UltraTrainer:
 
     # -- the actor ranks (under torchrun)
     def poll_ranks(self) -> None:
-        if self.hub is None:
+        if self.ranks is None:
             return
-        for message in self.hub.drain():
-            self.handle_rank(message)
+        self.ranks.receive(self.replay, self.episodes_from_rank)
         self.allow_inserts()
         self.share_with_ranks()
 
-    def handle_rank(self, message) -> None:
-        """An actor rank's message (the hub checked it with transition_schema): a signal it caught, its env
-        steps, its transitions, its finished episodes."""
-        info, arrays, rank = message.info, message.arrays, message.rank
-        if "signal" in info:
-            interrupt_from_peer(self.run, rank, info["signal"])
-        self.remote_steps[rank] = max(self.remote_steps.get(rank, 0), info.get("steps", 0))
-        start = 0
-        for index, rows in enumerate(info.get("rows", [])):  # the rank's actor k writes partition k of its block
-            self.write_rank(rank * self.cfg.num_workers + index, {k: a[start:start + rows] for k, a in arrays.items()})
-            start += rows
-        episodes = episode_numbers(info.get("episodes", []))
-        if episodes:
-            self.count_steps()
-            self.record_episodes(episodes, rank)
-
-    def write_rank(self, writer: int, batch: dict[str, np.ndarray]) -> None:
-        part = self.replay.layout.part_capacity  # a partition takes at most its own size at once
-        for lo in range(0, len(batch["actions"]), part):
-            self.replay.receive(writer, {k: a[lo:lo + part] for k, a in batch.items()})
+    def episodes_from_rank(self, episodes: list[dict], rank: int) -> None:
+        self.count_steps()
+        self.record_episodes(episodes, rank)
 
     def share_with_ranks(self, force: bool = False) -> None:
         """What the next replies to the actor ranks carry: the start flag, the rate limit, every rank's steps
         and, when the learner has published newer ones, the weights (at most every ship_interval_s)."""
-        if self.hub is None or not force and time.monotonic() - self.published[0] < self.cfg.ship_interval_s:
-            return
-        control = {"go": bool(self.shared["control"][GO]), "allowed": self.allowed, "rank_steps": self.rank_steps()}
-        changed = self.params.version(0) != self.published[1]
-        self.hub.publish(control, params=self.params.params[0] if changed else None)
-        self.published = (time.monotonic(), self.params.version(0))
+        from common.dqn_actors import GO
 
-    def stop_ranks(self, stop: dict) -> None:
-        """Every actor rank's last reply says why the run stopped and with which exit status (once)."""
-        if self.hub is not None and not self.ranks_stopped:
-            self.ranks_stopped = True
-            self.hub.close(stop)
+        if self.ranks is not None and (force or self.ranks.share_due()):
+            self.ranks.share({"go": bool(self.shared["control"][GO]), "allowed": self.allowed,
+                              "rank_steps": self.rank_steps()})
 
     def new_window(self) -> dict:
         return {"time": time.monotonic(), "steps": self.run.counters["global_step"], "episodes": 0, "losses": [],
@@ -644,6 +429,8 @@ class UltraTrainer:
 
     def record(self) -> None:
         """One metrics row: the window since the last one (none if the actors took no step meanwhile)."""
+        from common.dqn_actors import actor_epsilon
+
         cfg, run, window, shared = self.cfg, self.run, self.window, self.shared
         now = time.monotonic()
         if run.counters["global_step"] == window["steps"]:
@@ -709,7 +496,7 @@ class UltraTrainer:
                 "rank_steps": {str(r): n for r, n in enumerate(steps)},
                 "rank_transitions": {str(r): int(n) for r, n in enumerate(written.reshape(self.world, -1).sum(1))},
                 "rank_episodes": {str(r): n for r, n in enumerate(self.rank_episodes)},
-                **(self.hub.summary() if self.hub is not None else {})}
+                **(self.ranks.summary() if self.ranks is not None else {})}
 
     def plots(self, run) -> list[dict]:
         cfg = run.cfg
@@ -718,21 +505,12 @@ class UltraTrainer:
                           f"{cfg.num_envs_per_worker} envs, {'async' if cfg.async_training else 'sync'}"}]
 
 
-# --------------------------------------------------------------------------- past one machine
-# Under torchrun every rank but 0 runs actors only. Their transitions reach the rank's main process
-# on their pipes (the message-fed replay path, with no replay on this rank); it ships them to rank 0
-# in one message every ship_interval_s, and rank 0 writes them into the partitions of that rank's
-# actors. Rank 0's replies carry the weights, the start flag and the rate limit back.
+
+# --------------------------------------------------------------------------- the mode
 
 # Settings that shape the transitions, the network or the actors: equal on every rank, or a rank is refused.
 FINGERPRINT_FIELDS = ("n_step", "gamma", "prioritized", "hidden_sizes", "num_workers", "num_envs_per_worker",
                       "async_training", "epsilon_start", "epsilon_end", "epsilon_decay_steps", "epsilon_alpha")
-
-
-def replay_layout(cfg: Config, env) -> ReplayLayout:
-    """Rank 0's replay: buffer_size slots, one partition per actor of every rank (rank r's block follows r - 1's)."""
-    space = env.observation_space
-    return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name, cfg.prioritized)
 
 
 def fingerprint(run) -> dict:
@@ -743,157 +521,13 @@ def fingerprint(run) -> dict:
             **{name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}}
 
 
-def transition_schema(cfg: Config, env) -> Schema:
-    """The arrays an actor rank may send: n-step transitions of this run's shapes, observations in the
-    replay's own dtype (uint8 frames stay uint8 on the wire), values in their ranges."""
-    space = env.observation_space
-    obs = Field(storage_dtype(space).name, tuple(space.shape))
-    fields = {"obs": obs, "next_obs": obs,
-              "actions": Field("int64", low=0, high=env.action_space.n - 1, integral=True),
-              "rewards": Field("float32"),  # any finite value (the hub refuses NaN and infinities)
-              "dones": Field("float32", low=0, high=1, integral=True),
-              "discounts": Field("float32", low=0, high=1)}
-    if cfg.prioritized:
-        fields["priorities"] = Field("float32", low=0)
-    return Schema(fields, rule=lambda info, arrays: remote_problem(info, arrays, set(fields), cfg.num_workers))
-
-
-def remote_problem(info: dict, arrays: dict[str, np.ndarray], names: set[str], num_workers: int) -> str | None:
-    """Why an actor rank's message cannot be used (None when it can): the hub's rule, after it checked
-    every array's dtype, row shape and range. The arrays must form one whole batch, its split among
-    the rank's actors and the counts must add up, and the episodes must be numbers."""
-    steps, signal = info.get("steps", 0), info.get("signal", 2)
-    if type(steps) is not int or steps < 0 or type(signal) is not int:
-        return f"an env step count of {str(steps)[:40]} or a signal {str(signal)[:40]}"
-    if episode_numbers(info.get("episodes", [])) is None:
-        return f"episodes that are not numbers ({str(info.get('episodes'))[:80]})"
-    if not arrays:
-        return None
-    if set(arrays) != names:
-        return f"the arrays {sorted(arrays)} instead of {sorted(names)}"
-    rows = info.get("rows")
-    if not (isinstance(rows, list) and len(rows) == num_workers and all(type(n) is int and n >= 0 for n in rows)
-            and sum(rows) == len(arrays["actions"])):
-        return f"{len(arrays['actions'])} transitions split among {num_workers} actors as {str(rows)[:80]}"
-    return None
-
-
-def one_batch(batches: list[dict[str, np.ndarray]], schema: Schema) -> dict[str, np.ndarray]:
-    """Transition batches as one array per field of ``schema``, in its dtype (the replay's: uint8 stays uint8)."""
-    if not batches:
-        return {}
-    return {name: np.concatenate([batch[name] for batch in batches]).astype(spec.dtype, copy=False)
-            for name, spec in schema.fields.items()}
-
-
-def episode_numbers(episodes) -> list[dict] | None:
-    """Finished episodes as plain numbers (return, length, coverage), or None if they are not numbers:
-    what an actor rank sends, and what rank 0 accepts from one."""
-    try:
-        out = [{"return": float(e["return"]), "length": int(e["length"]),
-                **({"coverage": float(e["coverage"])} if "coverage" in e else {})} for e in episodes]
-    except (TypeError, KeyError, ValueError, OverflowError):
-        return None
-    if all(math.isfinite(e["return"]) and e["length"] >= 0 and 0 <= e.get("coverage", 0) <= 1 for e in out):
-        return out
-    return None
-
-
-class ActorRank:
-    """A rank other than 0: its own ``num_workers`` actors, and what they collect shipped to rank 0.
-
-    Nothing here decides when the run ends: the loop ships until rank 0's reply says stop (a
-    signal caught here goes to rank 0 with the next message, and its stop comes back)."""
-
-    def __init__(self, run):
-        cfg, env = run.cfg, run.env
-        self.run, self.cfg, self.rank = run, cfg, run.dist.rank
-        set_torch_threads(1)  # this process only copies weights: the cores are the actors'
-        self.spoke = Spoke(run.dist)
-        self.spoke.refuse_mismatched(fingerprint(run))
-        self.schema = transition_schema(cfg, env)
-        self.q_net = networks.QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes))
-        arrays = SharedArrays()
-        run.defer(arrays.unlink_all)
-        control_arrays(arrays, cfg.num_workers)
-        self.params = networks.SharedParams.allocate(arrays, networks.flat_size(self.q_net))
-        self.shared = {name: arrays[name] for name in arrays.specs()}
-        self.shared["control"][STEPS_BEFORE] = run.counters["global_step"]
-        self.shared["control"][ALLOWED] = np.iinfo(np.int64).max  # until rank 0's rate limiter says otherwise
-        self.pending: list[list[dict]] = [[] for _ in range(cfg.num_workers)]  # transition batches, per actor
-        self.episodes: list[dict] = []
-        self.steps_sent, self.shipped_at, self.stop = 0, 0.0, None
-        self.ship()  # the first reply brings rank 0's weights, which the actors wait for
-        writer_spec = {"backend": "queue", "layout": replay_layout(cfg, env)}  # actors send on their pipes
-        self.supervisor = start_actors(run, arrays.specs(), writer_spec, self.rank)
-        first = self.rank * cfg.num_workers
-        run.log.info("actor rank %d: actors %d-%d of %d (x %d envs), shipping transitions to rank 0 every %.0f ms",
-                     self.rank, first, first + cfg.num_workers - 1, cfg.num_actors, cfg.num_envs_per_worker,
-                     cfg.ship_interval_s * 1000)
-
-    def train(self) -> None:
-        while self.stop is None:
-            wait = self.cfg.ship_interval_s - (time.monotonic() - self.shipped_at)
-            for message in self.supervisor.poll(max(0.0, wait)):
-                self.handle(message)
-            if time.monotonic() - self.shipped_at >= self.cfg.ship_interval_s:
-                self.ship()
-        if self.stop.get("exit_code") == EXIT_FAILED:
-            raise PeerFailure(f"rank {self.rank}: {self.stop.get('reason', 'rank 0 failed')}")
-        follow_stop(self.run, self.stop)
-
-    def handle(self, message) -> None:
-        if message.kind == "transitions":
-            self.pending[message.index].append(message.payload)
-        elif message.kind == "episodes":
-            self.episodes += episode_numbers(message.payload) or []
-
-    def ship(self) -> None:
-        """One message to rank 0 with what is new (nothing at all: a heartbeat), and its reply applied."""
-        run, shared = self.run, self.shared
-        info: dict = {}
-        steps = int(shared["actor_steps"].sum())
-        if steps != self.steps_sent:
-            info["steps"] = steps
-        rows = [sum(len(batch["actions"]) for batch in batches) for batches in self.pending]
-        if sum(rows):
-            info["rows"] = rows
-        if self.episodes:
-            run.record_episodes(self.episodes)  # for this rank's own closing log line
-            info["episodes"], self.episodes = self.episodes, []
-        if run.graceful.requested:
-            info["signal"] = run.graceful.signum
-        batches = [batch for per_actor in self.pending for batch in per_actor]  # actor 0's first, as in rows
-        self.pending = [[] for _ in self.pending]
-        reply = self.spoke.exchange(info, one_batch(batches, self.schema))
-        self.steps_sent, self.shipped_at = steps, time.monotonic()
-        run.counters["global_step"] = int(shared["control"][STEPS_BEFORE]) + steps
-        self.apply(reply)
-
-    def apply(self, reply) -> None:
-        if reply.stop is not None:
-            self.stop = reply.stop
-            return
-        if reply.params is not None:
-            networks.read_flat_params(self.q_net, reply.params)
-            self.params.publish(self.q_net)
-        control = reply.control
-        if control.get("allowed") is not None:  # the bound is on every rank's steps: the others' count against it
-            others = sum(control["rank_steps"]) - control["rank_steps"][self.rank]
-            self.shared["control"][ALLOWED] = control["allowed"] - others
-        if control.get("go"):
-            self.shared["control"][GO] = 1
-
-    def state_dict(self) -> None:
-        return None  # rank 0 keeps the run's state
-
-    def summary(self) -> dict:
-        return {}
-
-
 def trainer_for(run):
     """The learner on rank 0 (and without torchrun); actors only on every other rank."""
-    return UltraTrainer(run) if run.dist.is_main else ActorRank(run)
+    if run.dist.is_main:
+        return UltraTrainer(run)
+    from common.transition_relay import ActorRank
+
+    return ActorRank(run, fingerprint(run), replay_layout(run.cfg, run.env))
 
 
 def _mean(values) -> float:

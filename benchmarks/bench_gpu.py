@@ -5,7 +5,7 @@ scripts train. Writes a markdown table to benchmarks/results/gpu_learners.md (CP
     python benchmarks/bench_gpu.py --seconds 5
 
 Cases, each with the update the scripts run (common/dqn.py's DQNLearner on a filled
-common.replay.ReplayBuffer, common/ppo.py's ppo_update on a flat rollout), sampling and the
+common.replay.LocalReplay, common/ppo.py's ppo_update on a flat rollout), sampling and the
 host-to-device copy included:
 
 - DQN, Nature CNN on Atari frames (4 x 84 x 84 uint8, 6 actions), batch 32 (the Pong configs') and
@@ -36,8 +36,8 @@ import torch  # noqa: E402
 from common import networks, ppo  # noqa: E402
 from common.dqn import DQNLearner  # noqa: E402
 from common.optim import FusedAdam  # noqa: E402
-from common.replay import ReplayBuffer  # noqa: E402
-from common.rollout import PPOSettings  # noqa: E402
+from common.ppo_learner import PPOSettings  # noqa: E402
+from common.replay import LocalReplay  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
@@ -62,8 +62,8 @@ def sync_of(device: str):
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
-def filled_replay(space: gym.Space, capacity: int, rng: np.random.Generator) -> ReplayBuffer:
-    replay = ReplayBuffer(capacity, space.shape, obs_dtype=space.dtype)
+def filled_replay(space: gym.Space, capacity: int, rng: np.random.Generator) -> LocalReplay:
+    replay = LocalReplay(capacity, space.shape, obs_dtype=space.dtype)
     chunk = 1000
     for _ in range(capacity // chunk):
         if space.dtype == np.uint8:

@@ -246,8 +246,9 @@ def episodes_per_second(env_id: str, workers: int, seconds: float, games: int) -
     import gymnasium as gym
 
     from common import envs  # noqa: F401  (registers ConnectFour-v0)
-    from common.manager import ManagerConfig, ParallelManager, WorkerSpec
+    from common.manager_config import ManagerConfig, WorkerSpec
     from common.networks import QNetwork
+    from common.parallel_manager import ParallelManager
 
     env = gym.make(env_id)
     net = QNetwork(env.observation_space, env.action_space, (256, 256))
@@ -279,13 +280,13 @@ def learner_updates_per_second(hidden: tuple[int, ...], batch_size: int, obs_sha
 
     from common.dqn import DQNLearner
     from common.networks import QNetwork
-    from common.replay import ReplayBuffer
+    from common.replay import LocalReplay
 
     torch.set_num_threads(1)
     obs_space = gym.spaces.Box(0, 1, obs_shape, np.float32)
     learner = DQNLearner(QNetwork(obs_space, gym.spaces.Discrete(actions), hidden), torch.device("cpu"), 1e-3, 10.0,
                          250)
-    buffer = ReplayBuffer(50_000, obs_shape, np.float32, actions if masked else None, 0)
+    buffer = LocalReplay(50_000, obs_shape, np.float32, actions if masked else None, 0)
     rng = np.random.default_rng(0)
     n = 50_000
     buffer.add_batch(rng.random((n, *obs_shape), dtype=np.float32), rng.integers(0, actions, n),

@@ -1,11 +1,18 @@
-"""The DQN both DQN scripts run: acting, the Double-DQN loss and the learner's optimizer step.
+"""The DQN both DQN scripts run: acting, the Double-DQN loss and the learner.
 
-:class:`DQNLearner` is the one optimizer step: micro-batches drawn from any replay buffer
+:class:`DQNLearner` is the one learner of both scripts, which differ only in how experience
+reaches it (whole episodes from rollout workers, or transitions that actors write into a
+shared replay). Its optimizer step: micro-batches drawn from any replay buffer
 (``sample(batch_size, beta)`` -> :class:`common.replay.ReplaySample`,
 ``update_priorities(sample, td_abs)``), gradient accumulation, mixed precision where it is
 safe (bf16 autocast, or fp16 with a GradScaler on CUDA), illegal next actions masked out of
-the target's argmax, a target network updated every ``target_update_interval`` steps
-(hard copy, or Polyak averaging with ``tau`` < 1), and new priorities for prioritized replay.
+the target's argmax, gradient-norm clipping, a target network updated every
+``target_update_interval`` steps (hard copy, or Polyak averaging with ``tau`` < 1), new
+priorities for prioritized replay, and a stop (:class:`common.training_run.TrainingDiverged`) rather
+than a step when the loss is not finite. Around the step it owns what a run needs of a
+learner: seeding, resuming from a checkpoint and the checkpoint's learner part
+(:meth:`DQNLearner.for_run`, :meth:`DQNLearner.state_dict`), and the learning rate annealed
+over the run's budget (:meth:`DQNLearner.anneal`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.optim import FusedAdam
+from common.training_run import TrainingDiverged
 
 MASKED_Q = -1e9  # stands in for -inf so masked actions never win a max and never make NaN
 PRECISIONS = ("auto", "bf16", "fp16", "off")
@@ -78,6 +86,16 @@ def double_dqn_loss(q_net: nn.Module, target_net: nn.Module, obs: torch.Tensor, 
     return DQNLoss(loss, (q - target).abs().detach(), q.detach())
 
 
+@torch.inference_mode()
+def initial_priorities(q_net: nn.Module, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """|TD error| of n-step transitions under the actor's own network, as Ape-X actors compute it on insertion."""
+    q = q_net(torch.as_tensor(batch["obs"])).gather(1, torch.as_tensor(batch["actions"])[:, None]).squeeze(1)
+    next_q = q_net(torch.as_tensor(batch["next_obs"])).max(dim=1).values
+    target = torch.as_tensor(batch["rewards"]) + torch.as_tensor(batch["discounts"]) * next_q * \
+        (1 - torch.as_tensor(batch["dones"]))
+    return (target - q).abs().numpy()
+
+
 def linear_schedule(start: float, end: float, duration: int, t: int) -> float:
     """Linearly anneal from ``start`` to ``end`` over ``duration`` steps, then hold ``end``."""
     slope = (end - start) / max(1, duration)
@@ -101,11 +119,15 @@ def resolve_precision(precision: str) -> str:
 
 
 class DQNLearner:
-    """Double DQN on replay samples; see the module docstring. ``updates`` counts optimizer steps."""
+    """Double DQN on replay samples; see the module docstring. ``updates`` counts optimizer steps.
+
+    ``anneal_lr``: :meth:`anneal` lowers the rate from ``learning_rate`` to 0 over the run."""
 
     def __init__(self, q_net: nn.Module, device: torch.device, learning_rate: float, max_grad_norm: float,
-                 target_update_interval: int, tau: float = 1.0, grad_accum_steps: int = 1, precision: str = "auto"):
+                 target_update_interval: int, tau: float = 1.0, grad_accum_steps: int = 1, precision: str = "auto",
+                 anneal_lr: bool = False):
         self.device = device
+        self.base_rate, self.anneal_lr = learning_rate, anneal_lr
         self.q_net = q_net.to(device)
         self.target_net = copy.deepcopy(self.q_net).requires_grad_(False)
         self.max_grad_norm, self.grad_accum_steps = max_grad_norm, grad_accum_steps
@@ -136,7 +158,8 @@ class DQNLearner:
         q_net = QNetwork(env.observation_space, env.action_space, tuple(cfg.hidden_sizes),
                          tuple(getattr(cfg, "conv_channels", None) or ()))
         learner = cls(q_net, torch.device(resolve_device(cfg.device)), cfg.learning_rate, cfg.max_grad_norm,
-                      cfg.target_update_interval, cfg.tau, getattr(cfg, "grad_accum_steps", 1), cfg.mixed_precision)
+                      cfg.target_update_interval, cfg.tau, getattr(cfg, "grad_accum_steps", 1), cfg.mixed_precision,
+                      cfg.anneal_lr)
         if run.resumed is not None:
             learner.load_state_dict(run.resumed, run.counters["updates"])
             learner.set_learning_rate(cfg.learning_rate)  # the config's rate, not the one the checkpoint ended on
@@ -149,10 +172,12 @@ class DQNLearner:
     def set_learning_rate(self, rate: float) -> None:
         self.optimizer.param_groups[0]["lr"] = rate
 
-    def anneal(self, base_rate: float, budget_used: float) -> None:
-        """``anneal_lr``: the rate falls linearly from ``base_rate`` to 0 over the run's budget
-        (``Run.budget_used``), so the last updates only fine-tune the weights the run ends with."""
-        self.set_learning_rate(base_rate * (1.0 - budget_used))
+    def anneal(self, budget_used: float) -> None:
+        """Under ``anneal_lr`` the rate falls linearly from ``learning_rate`` to 0 over the run's budget
+        (``budget_used``, from ``Run.budget_used``), so the last updates only fine-tune the weights the run
+        ends with; otherwise nothing changes."""
+        if self.anneal_lr:
+            self.set_learning_rate(self.base_rate * (1.0 - budget_used))
 
     def _batch(self, sample) -> dict[str, torch.Tensor | None]:
         def tensor(array):
@@ -167,8 +192,8 @@ class DQNLearner:
         """One optimizer step over ``grad_accum_steps`` micro-batches of ``batch_size`` from ``replay``.
 
         Returns ``loss`` (mean over the micro-batches), ``q_mean`` and ``rejected`` (torn draws).
-        A loss or gradient that is not finite leaves the weights untouched and comes back as
-        the loss, so the caller can stop with the last good weights.
+        A loss or gradient that is not finite leaves the weights untouched and raises
+        :class:`common.training_run.TrainingDiverged`: the run stops with the last good weights.
         """
         self.optimizer.zero_grad(set_to_none=True)
         losses, q_means, rejected = [], [], 0
@@ -180,7 +205,7 @@ class DQNLearner:
             losses.append(out.loss.item())
             q_means.append(out.q.float().mean().item())
             if not math.isfinite(losses[-1]):
-                return {"loss": losses[-1], "q_mean": math.nan, "rejected": rejected}
+                raise TrainingDiverged(f"loss became {losses[-1]} at update {self.updates + 1}")
             loss = out.loss.float() if self.grad_accum_steps == 1 else out.loss.float() / self.grad_accum_steps
             self.scaler.scale(loss).backward()
             if sample.weights is not None:  # prioritized replay: the new |TD errors| are the priorities
@@ -188,7 +213,7 @@ class DQNLearner:
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.q_net.parameters(), self.max_grad_norm)
         if not self.scaler.is_enabled() and not math.isfinite(norm):  # the scaler skips such steps itself
-            return {"loss": math.inf, "q_mean": math.nan, "rejected": rejected}
+            raise TrainingDiverged(f"loss became inf at update {self.updates + 1}")
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.updates += 1

@@ -1,11 +1,12 @@
 """Replay pieces both DQN scripts share: the sample, n-step returns, the memory plan, a local buffer.
 
 :class:`ReplaySample` is what every replay buffer hands the learner (this module's
-:class:`ReplayBuffer`, living in one process, and the shared-memory buffer of
-:mod:`common.replay_shm`). :func:`nstep_returns` is the one n-step computation, used on
-whole episodes here and on the actors' rolling windows in the ultra mode.
-:func:`fit_buffer_size` decides a buffer's capacity against the RAM (and ``/dev/shm``) at
-hand before anything is allocated.
+:class:`LocalReplay`, living in one process, and :class:`common.replay_shm.SharedReplay`,
+written by many actors). :func:`nstep_returns` is the one n-step computation, used on whole
+episodes here (:func:`episode_transitions`) and on the actors' rolling windows
+(:class:`NStepAccumulator`). :func:`fit_buffer_size` decides a buffer's capacity against the
+RAM (and ``/dev/shm``) at hand before anything is allocated, from the bytes per transition
+the buffer allocates (:func:`replay_bytes` here, ``ReplayLayout.nbytes`` for the shared one).
 
 The local buffer's layout (one row per transition, a ring over ``capacity`` rows): ``obs``,
 ``next_obs``, ``actions``, ``rewards``, ``dones`` (terminal, i.e. no bootstrap; a time-limit
@@ -66,7 +67,7 @@ def nstep_returns(rewards: np.ndarray, gamma: float, n: int) -> tuple[np.ndarray
 def episode_transitions(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: bool,
                         masks: np.ndarray | None = None, gamma: float = 0.99, n_step: int = 1) -> dict:
     """One whole episode (T+1 observations, the last the final one; T actions and rewards; T+1 legal-action
-    masks or None) as the T rows a buffer stores, keyed as :meth:`ReplayBuffer.add_batch` takes them: row t
+    masks or None) as the T rows a buffer stores, keyed as :meth:`LocalReplay.add_batch` takes them: row t
     holds the n-step return from step t (fewer rewards at the end), the observation it bootstraps from and
     its mask, ``gamma**k`` for the ``k`` rewards summed, and ``dones`` where the episode terminated within
     them (a time-limit cut is not terminal, so its last rows bootstrap)."""
@@ -75,6 +76,50 @@ def episode_transitions(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarra
     return {"obs": obs[:-1], "actions": np.asarray(actions), "rewards": returns.astype(np.float32),
             "next_obs": obs[ahead], "dones": (ahead == len(actions)) & bool(terminated),
             "next_masks": masks[ahead] if masks is not None else None, "discounts": (gamma**k).astype(np.float32)}
+
+
+class NStepAccumulator:
+    """Turns per-step transitions of ``num_envs`` environments into n-step transitions.
+
+    A transition leaves once it has ``n`` rewards, or when its episode ends (then with
+    fewer rewards and the final observation); ``discounts`` holds gamma ** rewards used.
+    """
+
+    def __init__(self, n: int, gamma: float, num_envs: int, obs_shape: tuple[int, ...], obs_dtype):
+        self.n, self.gamma = n, gamma
+        self.obs = np.zeros((n, num_envs, *obs_shape), dtype=obs_dtype)
+        self.actions = np.zeros((n, num_envs), dtype=np.int64)
+        self.rewards = np.zeros((n, num_envs), dtype=np.float32)
+        self.count = np.zeros(num_envs, dtype=np.int64)  # steps stored since the episode began
+        self.pos = 0
+
+    def push(self, obs, actions, rewards, final_obs, terminations, truncations) -> dict[str, np.ndarray] | None:
+        n, pos = self.n, self.pos
+        self.obs[pos], self.actions[pos], self.rewards[pos] = obs, actions, rewards
+        self.pos = (pos + 1) % n
+        self.count += 1
+        order = (pos + 1 + np.arange(n)) % n  # oldest first
+        done = terminations | truncations
+        out: list[dict[str, np.ndarray]] = []
+        full = np.flatnonzero((self.count >= n) & ~done)
+        if len(full):
+            returns = nstep_returns(self.rewards[order][:, full], self.gamma, n)[0][0]
+            out.append({"obs": self.obs[order[0], full], "actions": self.actions[order[0], full], "rewards": returns,
+                        "next_obs": final_obs[full], "dones": np.zeros(len(full)),
+                        "discounts": np.full(len(full), self.gamma ** n)})
+        for env in np.flatnonzero(done):  # flush every pending transition of a finished episode
+            steps = order[n - min(int(self.count[env]), n):]
+            returns, counts = nstep_returns(self.rewards[steps, env], self.gamma, n)
+            out.append({"obs": self.obs[steps, env], "actions": self.actions[steps, env], "rewards": returns,
+                        "next_obs": np.repeat(final_obs[env][None], len(steps), axis=0),
+                        "dones": np.full(len(steps), float(terminations[env])), "discounts": self.gamma ** counts})
+            self.count[env] = 0
+        if not out:
+            return None
+        batch = {key: np.concatenate([part[key] for part in out]) for key in out[0]}
+        for key in ("rewards", "dones", "discounts"):
+            batch[key] = batch[key].astype(np.float32)
+        return batch
 
 
 # ---------------------------------------------------------------------------- memory plan
@@ -131,7 +176,7 @@ def describe_observations(what: str, arrays: list[np.ndarray], obs_shape: tuple[
 
 
 def replay_bytes(capacity: int, obs_shape: tuple[int, ...], obs_dtype, num_actions: int | None) -> int:
-    """Bytes a :class:`ReplayBuffer` of ``capacity`` transitions allocates."""
+    """Bytes a :class:`LocalReplay` of ``capacity`` transitions allocates."""
     obs_bytes = int(np.prod(obs_shape)) * np.dtype(obs_dtype).itemsize
     per_row = 2 * obs_bytes + 8 + 4 + 1 + 4 + (num_actions or 0)
     return capacity * per_row
@@ -148,7 +193,7 @@ def check_replay_memory(capacity: int, obs_shape: tuple[int, ...], obs_dtype, nu
 
 # ---------------------------------------------------------------------------- the local buffer
 
-class ReplayBuffer:
+class LocalReplay:
     """Uniform-sampling ring buffer of transitions, preallocated after a RAM check.
 
     ``num_actions`` enables next-state action masks (pass None for unmasked envs).

@@ -22,7 +22,7 @@ processes ever update the tree.
 If shared memory cannot be created (a tiny ``/dev/shm``, no permission) the same buffer
 lives in the learner's own memory and actors send it their transitions as messages on their
 own pipe to the learner (:class:`MessageWriter`, backend ``"queue"``), which writes them in
-with :meth:`ReplayBuffer.receive`: slower, but the run goes on. A pipe has one reader and one
+with :meth:`SharedReplay.receive`: slower, but the run goes on. A pipe has one reader and one
 writer, so an actor killed halfway through a message takes nothing down with it.
 :func:`make_replay` decides, after checking the buffer against available RAM and ``/dev/shm``.
 """
@@ -87,6 +87,8 @@ class ReplayLayout:
         }
 
     def nbytes(self) -> int:
+        """Bytes the buffer of this layout allocates, every array included: the one formula its memory
+        checks (and any plan made before the run) use."""
         return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self.fields().values())
 
 
@@ -214,8 +216,9 @@ class SumTree:
 # ------------------------------------------------------------------ learner side
 
 @dataclass
-class ReplayBuffer:
-    """Learner side: sampling, priorities and bookkeeping over shared or local arrays.
+class SharedReplay:
+    """The buffer many actors write and the learner samples: sampling, priorities and bookkeeping
+    over shared arrays (or, with the message backend, the learner's own arrays).
 
     Build one with :func:`make_replay`. ``writer_spec`` is what actors pass to
     :func:`open_writer`. Call ``sync()`` before sampling: it pulls new priorities into the
@@ -364,7 +367,7 @@ class ReplayBuffer:
         self._owned = []
 
 
-def make_replay(layout: ReplayLayout, backend: str = "auto", alpha: float = 0.6) -> ReplayBuffer:
+def make_replay(layout: ReplayLayout, backend: str = "auto", alpha: float = 0.6) -> SharedReplay:
     """Allocate the buffer: shared memory if possible (``auto``/``shm``), else local, fed by messages.
 
     Raises ReplayTooLarge when it does not fit in RAM, SharedMemoryUnavailable when
@@ -384,10 +387,10 @@ def make_replay(layout: ReplayLayout, backend: str = "auto", alpha: float = 0.6)
                         "fed with messages from the actors", err)
     check_fits(layout.nbytes(), shared=False)
     arrays = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.fields().items()}
-    return ReplayBuffer(layout, arrays, "queue", {"backend": "queue", "layout": layout}, alpha=alpha)
+    return SharedReplay(layout, arrays, "queue", {"backend": "queue", "layout": layout}, alpha=alpha)
 
 
-def _make_shared(layout: ReplayLayout, alpha: float) -> ReplayBuffer:
+def _make_shared(layout: ReplayLayout, alpha: float) -> SharedReplay:
     check_fits(layout.nbytes(), shared=True)
     tag = next(_buffer_numbers)  # several buffers in one process get distinct segment names
     owned: dict[str, SharedArray] = {}
@@ -400,5 +403,5 @@ def _make_shared(layout: ReplayLayout, alpha: float) -> ReplayBuffer:
         raise SharedMemoryUnavailable(str(err)) from err
     arrays = {name: h.array for name, h in owned.items()}
     specs: dict[str, ArraySpec] = {name: h.spec for name, h in owned.items()}
-    return ReplayBuffer(layout, arrays, "shm", {"backend": "shm", "layout": layout, "arrays": specs},
+    return SharedReplay(layout, arrays, "shm", {"backend": "shm", "layout": layout, "arrays": specs},
                         alpha=alpha, _owned=list(owned.values()))

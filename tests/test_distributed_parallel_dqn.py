@@ -22,8 +22,8 @@ import pytest
 from multinode import Nodes
 from test_faults import wait_until
 
+from common.dqn_rollouts import check_episodes, episode_schema, pack_episodes, unpack_episodes
 from common.shm import reclaim_stale_segments
-from parallel_train_dqn import check_episodes, episode_schema, pack_episodes, unpack_episodes
 
 SCRIPT = "parallel_train_dqn.py"
 TINY = ["--num-workers", "1", "--hidden-sizes", "32", "32", "--episodes-per-batch", "8", "--learning-starts", "200",

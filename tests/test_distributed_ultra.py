@@ -1,8 +1,9 @@
 """ultra_parallel_train_dqn.py under torchrun: Ape-X over two localhost nodes of one rank each.
 
 Rank 0 learns over its shared-memory replay with its own actors; rank 1 runs actors only and ships
-their transitions to rank 0 (common.hub). Few launches, many assertions each: every launch starts
-two torchrun agents, two ranks and their actors, and that start-up is most of a test's time.
+their transitions to rank 0 (common.transition_relay). Few launches, many assertions each: every
+launch starts two torchrun agents, two ranks and their actors, and that start-up is most of a
+test's time.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from test_faults import wait_until
 
 from common.checkpoint import load_checkpoint
 from common.config import ConfigError
+from common.replay import NStepAccumulator
 from common.run import probe_env
 from common.runlog import read_metrics
 from common.shm import reclaim_stale_segments, segments_of
+from common.transition_relay import one_batch, transition_schema
 
 SCRIPT = "ultra_parallel_train_dqn.py"
 TINY = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "32", "--buffer-size", "20000",
@@ -83,8 +86,8 @@ def saved_step(run_dir) -> int:
 def test_actor_rank_batches_keep_uint8_and_the_schema_refuses_what_does_not_fit():
     cfg = ultra().Config(env_id="Catch-v0", prioritized=True, num_workers=2)
     env = probe_env("Catch-v0", actions=("Discrete",))
-    schema = ultra().transition_schema(cfg, env)
-    acc = ultra().NStepAccumulator(3, 0.99, 2, (1, 40, 40), np.uint8)
+    schema = transition_schema(cfg, env)
+    acc = NStepAccumulator(3, 0.99, 2, (1, 40, 40), np.uint8)
     frames = np.full((2, 1, 40, 40), 255, np.uint8)
     batches = []
     for step in range(5):  # as an actor's pipe delivers them: one batch per vector step
@@ -92,7 +95,7 @@ def test_actor_rank_batches_keep_uint8_and_the_schema_refuses_what_does_not_fit(
                          np.zeros(2, bool))
         if batch is not None:
             batches.append({**batch, "priorities": np.full(len(batch["actions"]), 0.5, np.float32)})
-    arrays = ultra().one_batch(batches, schema)
+    arrays = one_batch(batches, schema)
     count = len(arrays["actions"])
     assert arrays["obs"].dtype == np.uint8 and arrays["next_obs"].dtype == np.uint8
     assert sum(a.nbytes for a in arrays.values()) == count * CATCH_ROW_BYTES

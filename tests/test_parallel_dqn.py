@@ -20,7 +20,7 @@ from common import system
 from common.checkpoint import load_checkpoint
 from common.config import ConfigError
 from common.dqn import double_dqn_loss, epsilon_greedy
-from common.replay import ReplayBuffer, ReplayMemoryError, check_replay_memory, fit_buffer_size, nstep_returns
+from common.replay import LocalReplay, ReplayMemoryError, check_replay_memory, fit_buffer_size, nstep_returns
 from common.runlog import read_metrics
 
 SCRIPT = "parallel_train_dqn.py"
@@ -68,7 +68,7 @@ def test_epsilon_greedy_explores_legal_actions_only():
 
 
 def test_replay_episode_layout_and_masks():
-    buffer = ReplayBuffer(5, (2,), np.float32, num_actions=3, seed=0)
+    buffer = LocalReplay(5, (2,), np.float32, num_actions=3, seed=0)
     obs = np.arange(8, dtype=np.float32).reshape(4, 2)  # T+1 = 4 observations
     masks = np.array([[1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=bool)
     buffer.add_episode(obs, np.array([0, 2, 1]), np.array([0.0, 0.0, 1.0]), True, masks)
@@ -83,7 +83,7 @@ def test_replay_episode_layout_and_masks():
 
 
 def test_replay_n_step_returns_from_whole_episodes():
-    buffer = ReplayBuffer(8, (1,), np.float32, num_actions=2)
+    buffer = LocalReplay(8, (1,), np.float32, num_actions=2)
     obs = np.arange(5, dtype=np.float32)[:, None]
     masks = np.array([[1, 1], [1, 0], [0, 1], [1, 1], [1, 1]], dtype=bool)
     buffer.add_episode(obs, np.zeros(4, dtype=np.int64), np.array([1.0, 2.0, 3.0, 4.0]), True, masks,
@@ -193,7 +193,7 @@ def test_mirror_augment_stores_every_move_mirrored():
     masks[3, 1] = False
     episode = {"obs": obs, "actions": np.array([0, 1, 5]), "rewards": np.array([0.0, 0.0, 1.0]), "terminated": True,
                "masks": masks}
-    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    buffer = LocalReplay(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
     parallel_train_dqn.store_episodes(buffer, [episode], declared_symmetries("ConnectFour-v0"), 0.99, 1)
     assert len(buffer) == 6  # each move twice: as played, then mirrored
     assert (buffer.obs[:3] == obs[:3]).all() and buffer.actions[:3].tolist() == [0, 1, 5]
@@ -201,7 +201,7 @@ def test_mirror_augment_stores_every_move_mirrored():
     assert buffer.actions[3:6].tolist() == [6, 5, 1]  # a -> 6 - a
     assert (buffer.next_masks[3:6] == masks[1:, ::-1]).all() and not buffer.next_masks[5, 5]
     assert buffer.rewards[3:6].tolist() == buffer.rewards[:3].tolist() and buffer.dones[:6].tolist() == [0, 0, 1] * 2
-    plain = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    plain = LocalReplay(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
     parallel_train_dqn.store_episodes(plain, [episode], (), 0.99, 1)  # --no-mirror-augment
     assert len(plain) == 3
 
@@ -292,7 +292,7 @@ def test_learn_both_seats_stores_the_opponents_moves_and_is_refused_without_a_de
     episode = {"obs": np.stack([board_before, after_reply, final]), "actions": np.array([3, 3]),
                "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
                "masks": np.ones((3, 7), dtype=bool)}
-    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    buffer = LocalReplay(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
     parallel_train_dqn.store_episodes(buffer, [episode], (), 0.99, 1, other_seat)
     assert len(buffer) == 4  # the opponent's two replies, then the learner's two moves
     assert buffer.actions[:4].tolist() == [2, 4, 3, 3] and buffer.rewards[:4].tolist() == [0.0, 1.0, 0.0, -1.0]
@@ -364,7 +364,7 @@ def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_i
     episode = {"obs": np.stack([start, replied, final]), "actions": np.array([3, 3]),
                "rewards": np.array([0.0, -1.0], dtype=np.float32), "terminated": True,
                "masks": np.ones((3, 7), dtype=bool)}
-    buffer = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    buffer = LocalReplay(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
     parallel_train_dqn.store_episodes(buffer, [episode], (), 0.9, 1, plies=plies)
     assert len(buffer) == 4 and buffer.actions[:4].tolist() == [3, 2, 3, 4]
     assert buffer.rewards[:4].tolist() == [0.0, 0.0, 0.0, 1.0] and buffer.dones[:4].tolist() == [0, 0, 0, 1]
@@ -376,7 +376,7 @@ def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_i
                                sample(buffer.rewards[2:3]), sample(buffer.next_obs[2:3]), sample(buffer.dones[2:3]),
                                sample(buffer.discounts[2:3]), next_action_mask=sample(buffer.next_masks[2:3]))
     assert td.item() == pytest.approx(abs(0.0 - (-0.9 * 1.0)))  # the opponent's best reply is worth 1 to it
-    three = ReplayBuffer(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
+    three = LocalReplay(16, (2, 6, 7), np.float32, num_actions=7, seed=0)
     parallel_train_dqn.store_episodes(three, [episode], (), 0.9, 3, plies=plies)
     # the ply after the learner's first move: the opponent wins two of its moves later (+0.81 for it)
     assert np.allclose(three.rewards[:4], [0.0, 0.81, -0.9, 1.0]) and three.dones[:4].tolist() == [0, 1, 1, 1]

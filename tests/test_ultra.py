@@ -16,6 +16,7 @@ from conftest import ROOT, run_script, tensorboard_tags
 from common import system
 from common.checkpoint import load_checkpoint
 from common.config import ConfigError
+from common.replay import NStepAccumulator
 from common.run import probe_env
 from common.runlog import read_metrics
 
@@ -42,7 +43,7 @@ def machine_of_seed_001():
 
 def test_nstep_returns_match_a_direct_computation():
     n, gamma, envs = 3, 0.9, 2
-    acc = ultra().NStepAccumulator(n, gamma, envs, (1,), np.float32)
+    acc = NStepAccumulator(n, gamma, envs, (1,), np.float32)
     rng = np.random.default_rng(0)
     rewards = rng.normal(size=(12, envs)).astype(np.float32)
     terms = np.zeros((12, envs), bool)
