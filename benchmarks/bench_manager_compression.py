@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def make_batches(games: int) -> dict[str, object]:
     from common.envs import make_vec_env, play_episodes
-    from common.manager import ExperienceBatch
+    from common.rollout_worker import ExperienceBatch
 
     rng = np.random.default_rng(0)
 
