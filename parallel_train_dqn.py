@@ -322,7 +322,7 @@ class DQNTrainer:
             self.pool.send(self.manager, cfg)
         self.manager.start_workers()
         # Past one machine, ranks > 0 send episodes too; they play with what rank 0 publishes.
-        self.remote = RemoteRollouts(run, fingerprint(run)) if run.dist.world_size > 1 else None
+        self.remote = RemoteRollouts(run, MODE.fingerprint(run)) if run.dist.world_size > 1 else None
         if self.remote is not None:
             self.remote.publish_weights(self.learner.q_net, self.manager.model_version, self.epsilon())
             if run.env.two_player:
@@ -510,7 +510,7 @@ def make_trainer(run):
         return DQNTrainer(run)
     from common.dqn_rollouts import RolloutRank
 
-    return RolloutRank(run, fingerprint(run))
+    return RolloutRank(run, MODE.fingerprint(run))
 
 
 def win_rates_reached(target: list[float] | None, evaluation: dict[str, float]) -> bool:
@@ -534,6 +534,7 @@ EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent i
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_env,
             distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
+            fingerprint=fingerprint,
             metrics_columns=["epsilon", "learning_rate", "loss", "q_mean", "learner_updates", "updates_per_s",
                              "episodes_per_s", "model_version", "staleness", "buffer_size", "train_win_rate",
                              "iteration", "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])

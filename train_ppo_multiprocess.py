@@ -55,8 +55,19 @@ from common.gae import flat_batch
 from common.normalize import NormalizationSettings
 from common.numpy_actor_critic import acts_in_numpy
 from common.population import Members, Population, check_member_values
-from common.population_member import MemberSetup, Orders, evaluate_policy, policy_actions, split_kwargs
+from common.population_member import (
+    BEST_AGENT,
+    MEMBER_CHECKPOINTS,
+    MemberSetup,
+    Orders,
+    evaluate_policy,
+    member_checkpoint,
+    member_checkpoints,
+    policy_actions,
+    split_kwargs,
+)
 from common.population_relay import PopulationNode
+from common.population_relay import fingerprint as population_fingerprint
 from common.ppo_learner import LEARNERS, PPOSettings, choose_learner, make_learner
 from common.run import (
     RECENT,
@@ -338,7 +349,7 @@ class Agent:
                 return False
             c["episodes"] += len(episodes)
             self.recent.extend(e["return"] for e in episodes)
-            saved = self.save(f"worker_{self.index}_step_{c['global_step']}.pt") if self.crossed(
+            saved = self.save(member_checkpoint(self.index, c["global_step"])) if self.crossed(
                 cfg.checkpoint_every, rollout) else None
             self.report(episodes, stats, rollout, started, saved)
             if cfg.pbt_interval and self.crossed(cfg.pbt_interval, rollout) and not self.done():
@@ -411,7 +422,7 @@ class Agent:
         """Report the score and a fresh checkpoint; the coordinator may answer: copy a stronger worker.
         A copy made is reported (``pbt_copied``): the coordinator counts only copies that happened."""
         step = self.counters["global_step"]
-        path = saved or self.save(f"worker_{self.index}_step_{step}.pt")
+        path = saved or self.save(member_checkpoint(self.index, step))
         score = float(np.mean(self.recent)) if self.recent else -math.inf
         self.link.send("pbt_ready", {"step": step, "score": score, "path": str(path), "hyper": dict(self.hyper)})
         answer = self.orders.pbt_answer(step, self.cfg.worker_timeout_s)
@@ -435,8 +446,7 @@ class Agent:
         coordinator hears from this worker before it kills what is left at the end of stop_timeout_s."""
         c = self.counters
         finished = self.orders.finishes
-        path = self.save(f"worker_{self.index}_final.pt" if finished else
-                         f"worker_{self.index}_step_{c['global_step']}.pt")
+        path = self.save(member_checkpoint(self.index, None if finished else c["global_step"]))
         result = {"step": c["global_step"], "episodes": c["episodes"], "recent_return": self.recent_return(),
                   "hyper": self.hyper, "pbt_exploits": c["pbt_exploits"], "finished": finished,
                   "checkpoint": str(path), "eval": self.evaluate() if finished else None, **self.rates()}
@@ -468,8 +478,15 @@ class Agent:
 def population(run):
     """The trainer of every rank: the coordinator on rank 0 (and on one machine), a node of members elsewhere.
     Either runs one ``Agent`` per member of this rank."""
-    members = Members.of_rank(run, Agent, PER_WORKER, worker_devices(run.cfg, run.env.observation_space), __file__)
+    members = Members.of_rank(run, Agent, PER_WORKER, worker_devices(run.cfg, run.env.observation_space),
+                              MODE.fingerprint)
     return Population(run, members) if run.is_main else PopulationNode(run, members)
+
+
+def fingerprint(run) -> dict:
+    """What a rank must share with rank 0 to train members of this population (see
+    common.population_relay.fingerprint): this script's code, the settings, the env and the market history."""
+    return population_fingerprint(run, run.env.extra.get("data"), __file__)
 
 
 def check_learner(cfg, env) -> None:
@@ -486,16 +503,13 @@ def worker_devices(cfg, observation_space) -> list[str]:
                           gpu_pays=not acts_in_numpy(observation_space))
 
 
-WORKER_CHECKPOINT = re.compile(r"worker_\d+_(step_\d+|final)\.pt")
-
-
 def probe(cfg) -> EnvInfo:
     """The env, checked before anything is written; Market-v0 loads its cache here, once, or builds the
     history in memory (share_market_cache writes the cache once the run goes ahead: --validate-only writes
     nothing)."""
     from common.envs import market
 
-    if WORKER_CHECKPOINT.fullmatch(Path(cfg.resume or "").name) and Path(cfg.resume).is_file():
+    if re.fullmatch(member_checkpoints(), Path(cfg.resume or "").name) and Path(cfg.resume).is_file():
         cfg.resume = str(checkpoint_run_dir(Path(cfg.resume)))  # one worker's file: continue its population
     if not cfg.is_market:
         return probe_env(cfg.env_id, env_kwargs_of(MODE, cfg), ("Discrete", "Box"), cfg.seed)
@@ -517,7 +531,8 @@ def probe(cfg) -> EnvInfo:
 
 MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__doc__.split("\n\n")[0],
             probe=probe, env_kwargs=market_kwargs, checkpoint_pattern=r"population\.pt", resume_requires=("counters",),
-            check=check_learner,
+            check=check_learner, fingerprint=fingerprint,
+            result_files=(BEST_AGENT,), member_checkpoints=MEMBER_CHECKPOINTS,  # what common.evaluate plays
             metrics_columns=["worker", "worker_step", "worker_sps", "worker_cpu_sps", "learning_rate",
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
                              "update_ms", "workers_running"],

@@ -60,6 +60,7 @@ from common.system import resolve_device
 
 DEFAULT_BUFFER = 200_000
 CHECKPOINT_PATTERN = r"ultra_model_ep\d+\.pt|latest\.pt"
+FINAL_MODEL = "ultra_final_model.pth"  # the final model, in the run directory (what common.evaluate plays)
 
 
 @aliased  # seed 001's names (n_workers, n_episodes, envs_per_worker) read and write the same fields
@@ -225,7 +226,7 @@ class UltraTrainer:
         self.shared = {name: arrays[name] for name in arrays.specs()}
         self.rank_episodes = [0] * self.world  # episodes each rank finished in this invocation
         self.allowed: int | None = None  # the rate limiter's bound on every rank's env steps together
-        self.ranks = RemoteActors(run, fingerprint(run), self.params) if self.world > 1 else None
+        self.ranks = RemoteActors(run, MODE.fingerprint(run), self.params) if self.world > 1 else None
         # env steps of each actor rank in this invocation, as it reported them (kept by self.ranks)
         self.remote_steps: dict[int, int] = self.ranks.steps if self.ranks is not None else {}
         self.step_offset = counters["global_step"]
@@ -469,9 +470,9 @@ class UltraTrainer:
         path = run.save_checkpoint(self.learner.state_dict(), f"ultra_model_ep{counters['episodes']}.pt")
         self.saved_at, self.last_saved_episodes = (self.learner.updates, counters["global_step"]), counters["episodes"]
         if final:  # a copy, atomically: the name users ask for
-            tmp = run.run_dir / ".ultra_final_model.pth.tmp"
+            tmp = run.run_dir / f".{FINAL_MODEL}.tmp"
             shutil.copyfile(path, tmp)
-            os.replace(tmp, run.run_dir / "ultra_final_model.pth")
+            os.replace(tmp, run.run_dir / FINAL_MODEL)
         if cfg.save_replay:
             tmp = run.run_dir / "checkpoints" / ".replay.tmp.npz"
             np.savez(tmp, **self.replay.state())
@@ -527,7 +528,7 @@ def trainer_for(run):
         return UltraTrainer(run)
     from common.transition_relay import ActorRank
 
-    return ActorRank(run, fingerprint(run), replay_layout(run.cfg, run.env))
+    return ActorRank(run, MODE.fingerprint(run), replay_layout(run.cfg, run.env))
 
 
 def _mean(values) -> float:
@@ -535,13 +536,13 @@ def _mean(values) -> float:
 
 
 MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__.split("\n\n")[0],
-            actions=("Discrete",), checkpoint_pattern=CHECKPOINT_PATTERN,
+            actions=("Discrete",), checkpoint_pattern=CHECKPOINT_PATTERN, result_files=(FINAL_MODEL,),
             resume_requires=("model", "target", "optimizer"),
             env_kwargs=lambda cfg: cfg.grid_kwargs(), check=check_memory,
             metrics_columns=["coverage", "coverage_mean100", "loss", "learning_rate", "epsilon_max", "epsilon_min",
                              "buffer_size", "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s",
                              "episodes_per_s", "policy_lag", "weights_version", "torn_samples_skipped", "rank_sps"],
-            distributed=True, cpu_collectives=True)
+            distributed=True, cpu_collectives=True, fingerprint=fingerprint)
 
 
 def train(config: Config | None = None, **fields) -> dict:

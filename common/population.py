@@ -20,6 +20,7 @@ import csv
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,16 @@ import numpy as np
 from common.checkpoint import latest_checkpoint
 from common.config import require
 from common.distributed import launched_by_torchrun
-from common.population_member import MemberSetup, evaluate_policy, member_process, random_actions, split_kwargs
-from common.population_relay import FILE_PLACES, POLL_S, REPORTS, RemoteMembers, fingerprint
+from common.population_member import (
+    BEST_AGENT,
+    MemberSetup,
+    evaluate_policy,
+    member_checkpoints,
+    member_process,
+    random_actions,
+    split_kwargs,
+)
+from common.population_relay import FILE_PLACES, POLL_S, REPORTS, RemoteMembers
 from common.ppo_learner import choose_learner
 from common.rank_exchange import stop_message
 from common.run import TrainingDiverged, checkpoint_run_dir, config_dict
@@ -85,7 +94,8 @@ def member_hyperparams(cfg, names: tuple[str, ...], members: int, seed: int) -> 
 
 def share_market_cache(run) -> tuple[Any, dict | None]:
     """Market-v0: this node's one copy of the history in shared memory, which every worker here
-    attaches (under torchrun each rank makes its own); (None, None) for other envs."""
+    attaches (under torchrun each rank makes its own); (None, None) for other envs. The shared copy
+    replaces the loaded one in ``run.env.extra["data"]`` (the fingerprint hashes it)."""
     from common.envs import market
 
     data = run.env.extra.pop("data", None)
@@ -101,7 +111,9 @@ def share_market_cache(run) -> tuple[Any, dict | None]:
     run.log.info("market cache %s: %d items x %d steps (%s), %s in %.2f s, shared as %s", cache["path"],
                  data.num_items, data.num_steps, format_bytes(data.nbytes), "built" if cache["built"] else "loaded",
                  cache["seconds"], specs["prices"].name)
-    return market.MarketData(*(shared[f"market_{k}"] for k in market.CACHE_ARRAYS), [], "shared memory"), specs
+    run.env.extra["data"] = market.MarketData(*(shared[f"market_{k}"] for k in market.CACHE_ARRAYS), [],
+                                              "shared memory")
+    return run.env.extra["data"], specs
 
 
 @dataclass
@@ -110,7 +122,7 @@ class Members:
     Rank 0's :class:`Population` and the other ranks' nodes start (and restart) the same processes from it."""
 
     agent: type  # the training script's agent (see member_process): a module-level class (spawn)
-    script_file: str  # the training script: its name labels the run, its code is in the fingerprint
+    fingerprint: Callable[[Any], dict]  # the mode's (Mode.fingerprint): what a rank must share with rank 0
     cfg: Any  # the run's config (each member gets it flat)
     env_kwargs: dict[str, Any]  # the run's gymnasium.make kwargs, plain values
     hyper: list[dict[str, float]]  # every member's hyperparameters at the start (every rank's members)
@@ -123,7 +135,8 @@ class Members:
     first: int  # this rank's first member
 
     @classmethod
-    def of_rank(cls, run, agent: type, hyper_names: tuple[str, ...], devices: list[str], script_file: str) -> Members:
+    def of_rank(cls, run, agent: type, hyper_names: tuple[str, ...], devices: list[str],
+                fingerprint: Callable[[Any], dict]) -> Members:
         """This rank's members: the market data shared here, every member's hyperparameters (``hyper_names``,
         see member_hyperparams), ``devices`` for this rank's workers."""
         cfg = run.cfg
@@ -133,12 +146,8 @@ class Members:
         threads = cfg.threads_per_worker or threads_per_process(cfg.num_workers)
         # The target is each worker's own (independent agents are judged one by one), never the population's.
         target, run.target_return = run.target_return, None
-        return cls(agent, script_file, cfg, run.env_kwargs, hyper, devices, threads, target, data, data_specs, items,
+        return cls(agent, fingerprint, cfg, run.env_kwargs, hyper, devices, threads, target, data, data_specs, items,
                    run.dist.rank * cfg.num_workers)
-
-    @property
-    def script(self) -> str:
-        return Path(self.script_file).stem
 
     def setup(self, member: int, hyper: dict[str, float], run_dir: Path, checkpoint: Path | None) -> tuple:
         """The process arguments of ``member`` (of this rank), continuing from ``checkpoint`` if not None."""
@@ -153,9 +162,6 @@ class Members:
         cfg = self.cfg
         return make_vec_env(cfg.env_id, cfg.eval_num_envs, cfg.eval_seed,
                             **split_kwargs(self.env_kwargs, "eval", self.data, self.items))
-
-    def fingerprint(self, run) -> dict:
-        return fingerprint(run, self.data, self.script_file)
 
     def supervisor(self, run, args_for, name: str = "worker") -> Supervisor:
         """This rank's workers, one process per member, restarted from their newest checkpoint when they die."""
@@ -218,7 +224,7 @@ class Population:
                            for device in members.devices})
         self.learner = "/".join(learners)
         run.log.info("%s: %d workers x %d envs of %s%s, devices %s, %s learner, target %s, run dir %s",
-                     members.script, cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id,
+                     run.script, cfg.num_workers, cfg.num_envs_per_worker, cfg.env_id,
                      f" on each of {run.dist.world_size} ranks ({count} in all)" if self.remote else "",
                      sorted(set(members.devices)), self.learner, self.target, run.run_dir)
         self.save()  # from the start, so that a resume always finds the population's counters
@@ -234,7 +240,7 @@ class Population:
 
     def newest_checkpoint(self, index: int) -> Path | None:
         for directory in self.sources:
-            found = latest_checkpoint(directory, rf"worker_{index}_(step_\d+|final)\.pt")
+            found = latest_checkpoint(directory, member_checkpoints(index))
             if found is not None:
                 return found
         return None
@@ -487,7 +493,7 @@ class Population:
         baseline_row = [{"worker": "random", **{f"eval_{k}": v for k, v in self.baseline.items()}}] \
             if self.baseline else []
         write_leaderboard(run.run_dir / "leaderboard.csv", rows + baseline_row, list(self.members.hyper[0]))
-        copy_atomic(Path(rows[0]["checkpoint"]), run.run_dir / "best.pt")
+        copy_atomic(Path(rows[0]["checkpoint"]), run.run_dir / BEST_AGENT)
         run.log.info("leaderboard: best is worker %d (eval mean return %.3f%s) -> best.pt", rows[0]["worker"],
                      rows[0]["eval_mean_return"],
                      f", random policy {self.baseline['mean_return']:.3f}" if self.baseline else "")
@@ -507,7 +513,7 @@ class Population:
 
     def plots(self, run) -> list[dict]:
         return [{"plot": "population", "out": str(run.run_dir / "plots" / "population.png"),
-                 "title": f"{self.members.script}: {run.cfg.env_id}, {run.cfg.num_workers} members"}]
+                 "title": f"{run.script}: {run.cfg.env_id}, {run.cfg.num_workers} members"}]
 
 
 def pbt_donor(scores: list[float | None], index: int, fraction: float, rng: np.random.Generator) -> int | None:

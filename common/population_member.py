@@ -26,6 +26,22 @@ import numpy as np
 from common.runlog import setup_logging
 from common.supervisor import set_torch_threads
 
+# The population's file names (the training script's MODE declares them for common.evaluate; the members, the
+# coordinator and the relay write and match them from here): a member's checkpoints, {member} standing for its
+# index in the whole population, and the best final agent the leaderboard copies into the run directory.
+MEMBER_CHECKPOINTS = r"worker_{member}_(step_\d+|final)\.pt"
+BEST_AGENT = "best.pt"
+
+
+def member_checkpoint(member: int, step: int | None = None) -> str:
+    """The file name of member ``member``'s checkpoint at ``step``, or of its final one (``step`` None)."""
+    return f"worker_{member}_final.pt" if step is None else f"worker_{member}_step_{step}.pt"
+
+
+def member_checkpoints(member: int | str = r"\d+") -> str:
+    """The regex of member ``member``'s checkpoint names (any member's by default; a regex group fits too)."""
+    return MEMBER_CHECKPOINTS.replace("{member}", str(member))
+
 
 def split_kwargs(env_kwargs: dict[str, Any], split: str, data, item_indices) -> dict[str, Any]:
     """A process's env kwargs: Market-v0 attaches to the shared cache, on the train or the held-out windows."""

@@ -50,6 +50,7 @@ import numpy as np
 
 from common.checkpoint import latest_checkpoint
 from common.distributed import PeerFailure
+from common.population_member import member_checkpoints
 from common.rank_exchange import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer
 from common.run import config_dict
 from common.supervisor import Message, WorkerFailed
@@ -76,7 +77,7 @@ class Place:
 
 # Where the files a member's messages name land on the rank that receives them, what a rank's workers
 # may report to rank 0, and what rank 0 may answer one.
-FILE_PLACES = (Place(r"worker_(?P<member>\d+)_(step_\d+|final)\.pt", "checkpoints"),
+FILE_PLACES = (Place(member_checkpoints(r"(?P<member>\d+)"), "checkpoints"),
                Place(r"worker_(?P<member>\d+)\.log", "logs", append=True))
 REPORTS = ("ready", "update", "pbt_ready", "pbt_copied", "done", "diverged", "restarted", "given_up")
 COMMANDS = ("pbt",)  # the stop reaches every rank at once (RemoteMembers.stop_members)
@@ -407,7 +408,7 @@ class PopulationNode:
 
     def args_for(self, index: int) -> tuple:
         member = self.first + index
-        latest = latest_checkpoint(self.scratch / "checkpoints", rf"worker_{member}_(step_\d+|final)\.pt")
+        latest = latest_checkpoint(self.scratch / "checkpoints", member_checkpoints(member))
         return self.members.setup(member, self.members.hyper[member], self.scratch, latest)
 
     def train(self) -> None:

@@ -85,11 +85,15 @@ class Mode:
     # The ranks exchange CPU data only (common.rank_exchange's messages, the handshake): gloo between them, also
     # where the learner is on a GPU and the actor nodes have none (NCCL would need a GPU on every rank).
     cpu_collectives: bool = False
+    # What a rank must share with rank 0 under torchrun (the code, the env, the settings that shape what the ranks
+    # exchange): the handshake of common.rank_exchange refuses a rank whose fingerprint differs. None: the mode
+    # runs no handshake.
+    fingerprint: Callable[[Run], dict] | None = None
     # What common.evaluate plays from a run directory, before the latest file of its checkpoints/: the first of
     # these files that exists (a final model, a population's best agent) ...
-    result_files: tuple[str, ...] = ("ultra_final_model.pth", "best.pt")
+    result_files: tuple[str, ...] = ()
     # ... and, for --member K, the latest checkpoint of population member K ({member} stands for K).
-    member_checkpoints: str | None = r"worker_{member}_(step_\d+|final)\.pt"
+    member_checkpoints: str | None = None
 
 
 def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
