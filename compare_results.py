@@ -29,7 +29,9 @@ EXIT_USAGE = 2
 
 
 @dataclass
-class Run:
+class RunRecord:
+    """What a finished (or stopped) run directory recorded: its summary, config and metrics columns."""
+
     path: Path
     name: str
     summary: dict
@@ -80,7 +82,7 @@ def rolling_episode_mean(rows: list[dict]) -> np.ndarray:
     return np.array(out)
 
 
-def load_run(path: Path) -> Run:
+def load_run(path: Path) -> RunRecord:
     metrics = path / "metrics.csv"
     if not path.is_dir():
         raise ValueError(f"{path}: no such directory")
@@ -100,7 +102,7 @@ def load_run(path: Path) -> Run:
     wall, steps = column(rows, "wall_time"), column(rows, "global_step")
     sps = column(rows, "sps")
     memory = column(rows, "pss_mb") if "pss_mb" in rows[0] else column(rows, "rss_mb")
-    return Run(path, path.name, summary, config, wall, steps, column(rows, "episodic_return"),
+    return RunRecord(path, path.name, summary, config, wall, steps, column(rows, "episodic_return"),
                rolling_episode_mean(rows), sps, column(rows, "cpu_percent"), memory)
 
 
@@ -113,7 +115,7 @@ def windowed_rate(steps: np.ndarray, wall: np.ndarray, points: int = 60) -> tupl
     return wall[k:], (steps[k:] - steps[:-k]) / dt
 
 
-def first_reaching(run: Run, threshold: float) -> tuple[float, float] | None:
+def first_reaching(run: RunRecord, threshold: float) -> tuple[float, float] | None:
     hits = np.flatnonzero(np.nan_to_num(run.mean100, nan=-np.inf) >= threshold)
     return (float(run.wall[hits[0]]), float(run.steps[hits[0]])) if hits.size else None
 
@@ -122,7 +124,7 @@ def _rate(steps: float, seconds: float) -> float:
     return steps / seconds if seconds > 0 else math.nan
 
 
-def run_stats(run: Run, baseline: Run, threshold: float | None) -> dict:
+def run_stats(run: RunRecord, baseline: RunRecord, threshold: float | None) -> dict:
     wall_s = float(run.summary.get("wall_time_s", np.nanmax(run.wall)))
     total = float(run.summary.get("global_step", np.nanmax(run.steps)))
     sps = _rate(total, wall_s)
@@ -170,7 +172,7 @@ def format_table(all_stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], path: Path, threshold: float | None) -> None:
+def plot(runs: list[RunRecord], path: Path, threshold: float | None) -> None:
     import matplotlib  # here, not at the top: --help and the table need no plotting library
 
     matplotlib.use("Agg")
@@ -211,7 +213,7 @@ def plot(runs: list[Run], path: Path, threshold: float | None) -> None:
     plt.close(fig)
 
 
-def report_text(runs: list[Run], all_stats: list[dict], table: str, threshold: float | None) -> str:
+def report_text(runs: list[RunRecord], all_stats: list[dict], table: str, threshold: float | None) -> str:
     lines = ["Comparison of training runs", "=" * 27, "", table, ""]
     base = all_stats[0]
     for run, stats in zip(runs, all_stats):
