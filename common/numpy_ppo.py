@@ -24,6 +24,7 @@ import numpy as np
 from common.network_spec import actor_critic_spec
 from common.numpy_actor_critic import LOG_SQRT_2PI, MLPActorCritic, NumpyActing, forward, split_flat
 from common.ppo_learner import PROXIMAL_WEIGHT_CAP, PPOLearner, PPOSettings
+from common.torch_file import adam_param_group, load_adam_param_group
 
 
 def loss_and_gradients(model: MLPActorCritic, obs, actions, old_logprobs, advantages, returns, old_values,
@@ -107,9 +108,7 @@ class Adam:
         self.params -= step_size * self.exp_avg / denom
 
     def state_dict(self) -> dict:
-        group = dict(self.param_groups[0], params=list(range(len(self.shapes))), weight_decay=0.0, amsgrad=False,
-                     maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
-                     decoupled_weight_decay=False)
+        group = adam_param_group(self.param_groups[0], len(self.shapes))
         state = {}
         if self.steps:
             moments = zip(split_flat(self.exp_avg, self.shapes), split_flat(self.exp_avg_sq, self.shapes))
@@ -119,11 +118,8 @@ class Adam:
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        group = state_dict["param_groups"][0]
-        if len(group["params"]) != len(self.shapes):
-            raise ValueError(f"optimizer state for {len(group['params'])} parameters, not {len(self.shapes)}")
-        self.param_groups[0].update(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"])
-        saved = [state_dict["state"].get(index) for index in group["params"]]
+        indices = load_adam_param_group(state_dict, self.param_groups[0], len(self.shapes))
+        saved = [state_dict["state"].get(index) for index in indices]
         if any(s is None for s in saved):  # never stepped (or only in part: start the moments afresh)
             self.exp_avg[:], self.exp_avg_sq[:], self.steps = 0.0, 0.0, 0
             return

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
+from common.torch_file import adam_param_group, load_adam_param_group
+
 
 class FusedAdam:
     """Adam over ``params`` (one parameter group) with ``torch.optim.Adam``'s interface subset:
@@ -56,19 +58,14 @@ class FusedAdam:
 
     def state_dict(self) -> dict:
         """The layout of ``torch.optim.Adam.state_dict()`` (parameters by position)."""
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group.update(params=list(range(len(self.params))), weight_decay=0.0, amsgrad=False, maximize=False,
-                     foreach=None, capturable=False, differentiable=False, fused=True, decoupled_weight_decay=False)
+        group = adam_param_group(self.param_groups[0], len(self.params))
         state = {i: {"step": s.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
                  for i, (s, m, v) in enumerate(zip(self.steps, self.exp_avg, self.exp_avg_sq)) if s.item() > 0}
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        group = state_dict["param_groups"][0]
-        if len(group["params"]) != len(self.params):
-            raise ValueError(f"optimizer state for {len(group['params'])} parameters, not {len(self.params)}")
-        self.param_groups[0].update(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"])
-        for position, index in enumerate(group["params"]):
+        indices = load_adam_param_group(state_dict, self.param_groups[0], len(self.params))
+        for position, index in enumerate(indices):
             saved = state_dict["state"].get(index)
             if saved is not None:
                 self.steps[position] = saved["step"].detach().float().reshape(()).to(self.params[position].device)

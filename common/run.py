@@ -94,6 +94,11 @@ class Mode:
     result_files: tuple[str, ...] = ()
     # ... and, for --member K, the latest checkpoint of population member K ({member} stands for K).
     member_checkpoints: str | None = None
+    # The run's big buffers for a config (name -> bytes), computed with the function the script allocates them
+    # with: what the launcher plans RAM and /dev/shm with. The env is the probed one, or None where the buffers do
+    # not depend on it (probing would build them). None: the mode allocates nothing worth planning for.
+    buffers: Callable[[Any, EnvInfo | None], dict[str, int]] | None = None
+    shm_buffers: tuple[str, ...] = ()  # which of those buffers live in /dev/shm
 
 
 def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:
@@ -280,20 +285,15 @@ def _train_save_summarize(mode: Mode, run: Run) -> int:
         run.start_clock()
         trainer.train()
         reason = run.stop_reason() or "finished"
-    except WorkerConfigError as err:
-        log.error("a worker cannot run with this configuration: %s", err)
+    except (WorkerConfigError, PeerRefused) as err:  # the configuration is at fault, not the training: exit 2
+        refused = isinstance(err, PeerRefused)
+        log.error("%s" if refused else "a worker cannot run with this configuration: %s", err)
         print(f"error: {err}", file=sys.stderr)
-        exit_code, reason, save = EXIT_BAD_CONFIG, f"bad configuration: {err}", False
-    except WorkerFailed as err:
+        exit_code, reason, save = EXIT_BAD_CONFIG, f"{'refused' if refused else 'bad configuration'}: {err}", False
+    except (WorkerFailed, PeerFailure) as err:
         log.error("training failed: %s", err)
-        exit_code, reason = EXIT_FAILED, f"failed: {err}"
-    except PeerRefused as err:
-        log.error("%s", err)
-        print(f"error: {err}", file=sys.stderr)
-        exit_code, reason, save = EXIT_BAD_CONFIG, f"refused: {err}", False
-    except PeerFailure as err:
-        log.error("training failed: %s", err)
-        exit_code, reason, save = EXIT_FAILED, f"failed: {err}", False
+        # A worker given up on leaves the learner's state whole, worth saving; a lost peer leaves it unknown.
+        exit_code, reason, save = EXIT_FAILED, f"failed: {err}", isinstance(err, WorkerFailed)
     except TrainingDiverged as err:
         log.error("training failed: %s; stopping without saving. Last good checkpoint: %s", err,
                   run.last_good_checkpoint or "none (no checkpoint was written yet)")

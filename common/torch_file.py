@@ -119,3 +119,22 @@ def plain(value: Any, array: Callable[[np.ndarray], Any] = lambda a: a) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(plain(item, array) for item in value)
     return value
+
+
+def adam_param_group(group: dict, count: int) -> dict:
+    """``group`` (its lr, betas, eps) as ``torch.optim.Adam(fused=True).state_dict()`` writes the parameter
+    group of plain Adam over ``count`` parameters (by position): the one layout both of the project's Adams
+    save (common/optim.py in torch, common/numpy_ppo.py in numpy), so that either loads the other's state."""
+    return {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(count)), "weight_decay": 0.0,
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": True, "decoupled_weight_decay": False}
+
+
+def load_adam_param_group(state_dict: dict, group: dict, count: int) -> list:
+    """Take lr, betas and eps of a state saved in :func:`adam_param_group`'s layout into ``group``; returns the
+    saved parameters' indices, in order. ValueError where it holds another number of parameters."""
+    saved = state_dict["param_groups"][0]
+    if len(saved["params"]) != count:
+        raise ValueError(f"optimizer state for {len(saved['params'])} parameters, not {count}")
+    group.update(lr=saved["lr"], betas=tuple(saved["betas"]), eps=saved["eps"])
+    return saved["params"]
