@@ -181,10 +181,20 @@ def negamax_plies(cfg: Config):
 
 def check_memory(cfg: Config, env) -> None:
     """The replay buffer must fit in RAM: one the user sized is refused if not, the default shrinks to fit."""
-    per_transition = replay_bytes(1, env.observation_space.shape, storage_dtype(env.observation_space),
-                                  env.action_space.n if env.action_mask else None)
-    cfg.buffer_size, note = fit_buffer_size(cfg.buffer_size, DEFAULT_BUFFER, per_transition)
+    cfg.buffer_size, note = fit_buffer_size(cfg.buffer_size, DEFAULT_BUFFER, replay_capacity_bytes(1, env))
     env.extra["notes"] = [note] if note else []
+
+
+def replay_capacity_bytes(capacity: int, env) -> int:
+    """Bytes of the learner's LocalReplay of ``capacity`` transitions (with next-action masks where the env masks
+    actions)."""
+    return replay_bytes(capacity, env.observation_space.shape, storage_dtype(env.observation_space),
+                        int(env.action_space.n) if env.action_mask else None)
+
+
+def replay_buffers(cfg: Config, env) -> dict[str, int]:
+    """The replay in the learner's process: ``buffer_size`` transitions, DEFAULT_BUFFER where it is unset."""
+    return {"replay": replay_capacity_bytes(DEFAULT_BUFFER if cfg.buffer_size is None else cfg.buffer_size, env)}
 
 
 # --------------------------------------------------------------------------- self-play opponents
@@ -534,7 +544,7 @@ EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent i
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), resume_requires=("model", "target", "optimizer"), check=check_env,
             distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
-            fingerprint=fingerprint,
+            fingerprint=fingerprint, buffers=replay_buffers,
             metrics_columns=["epsilon", "learning_rate", "loss", "q_mean", "learner_updates", "updates_per_s",
                              "episodes_per_s", "model_version", "staleness", "buffer_size", "train_win_rate",
                              "iteration", "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])

@@ -135,6 +135,14 @@ def rollout_arrays(arrays: SharedArrays, cfg: Config, obs_space, action_space, n
     arrays.create("norm", (norm_size,), np.float64)
 
 
+def rollout_buffers(cfg: Config, env) -> dict[str, int]:
+    """Bytes of the shared rollouts :func:`rollout_arrays` allocates, and of the learner's batch built from one
+    (normalized observations, advantages, returns: counted as one rollout's size)."""
+    layout = rollout_layout(cfg.n_steps, cfg.total_envs, env.observation_space, env.action_space)
+    one = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+    return {"rollout": (2 if cfg.async_training else 1) * one, "batch": one}
+
+
 def policy_size(cfg: Config, obs_space, action_space) -> int:
     """How many parameters the policy has: counted from its shapes for an MLP, so that workers can start
     before this process imports torch; from a network built for the purpose for an image policy."""
@@ -524,6 +532,7 @@ class PPOTrainer:
 
 MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.split("\n\n")[0],
             actions=("Discrete", "Box"), resume_requires=("model", "optimizer"), distributed=True, check=check_learner,
+            buffers=rollout_buffers, shm_buffers=("rollout",),
             metrics_columns=["collect_sps", "learning_rate", "policy_loss", "value_loss", "entropy", "approx_kl",
                              "clipfrac", "explained_variance", "policy_lag", "update_ms", "wait_ms", "allreduce_ms",
                              "allreduce_kib", "params_hash", "world_size"])

@@ -529,9 +529,15 @@ def probe(cfg) -> EnvInfo:
                    extra={"data": data, "item_indices": items, "cache": info})
 
 
+def market_cache(cfg, env) -> dict[str, int]:
+    """The synthetic Market-v0's history, which the run shares through /dev/shm (common.envs.market.MarketData:
+    float32 prices and volumes, one row per item): counted, since building it to measure it takes seconds."""
+    return {"cache": cfg.num_items * cfg.history_steps * 2 * np.dtype(np.float32).itemsize} if cfg.is_market else {}
+
+
 MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__doc__.split("\n\n")[0],
             probe=probe, env_kwargs=market_kwargs, checkpoint_pattern=r"population\.pt", resume_requires=("counters",),
-            check=check_learner, fingerprint=fingerprint,
+            check=check_learner, fingerprint=fingerprint, buffers=market_cache, shm_buffers=("cache",),
             result_files=(BEST_AGENT,), member_checkpoints=MEMBER_CHECKPOINTS,  # what common.evaluate plays
             metrics_columns=["worker", "worker_step", "worker_sps", "worker_cpu_sps", "learning_rate",
                              "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",

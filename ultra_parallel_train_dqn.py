@@ -39,7 +39,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -197,6 +197,13 @@ def replay_layout(cfg: Config, env) -> ReplayLayout:
     """Rank 0's replay: buffer_size slots, one partition per actor of every rank (rank r's block follows r - 1's)."""
     space = env.observation_space
     return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name, cfg.prioritized)
+
+
+def replay_buffers(cfg: Config, env) -> dict[str, int]:
+    """The shared replay :func:`replay_layout` describes (DEFAULT_BUFFER slots where buffer_size is unset)."""
+    if cfg.buffer_size is None:
+        cfg = replace(cfg, buffer_size=DEFAULT_BUFFER)
+    return {"replay": replay_layout(cfg, env).nbytes()}
 
 
 # --------------------------------------------------------------------------- learner
@@ -537,7 +544,7 @@ def _mean(values) -> float:
 
 MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__.split("\n\n")[0],
             actions=("Discrete",), checkpoint_pattern=CHECKPOINT_PATTERN, result_files=(FINAL_MODEL,),
-            resume_requires=("model", "target", "optimizer"),
+            resume_requires=("model", "target", "optimizer"), buffers=replay_buffers, shm_buffers=("replay",),
             env_kwargs=lambda cfg: cfg.grid_kwargs(), check=check_memory,
             metrics_columns=["coverage", "coverage_mean100", "loss", "learning_rate", "epsilon_max", "epsilon_min",
                              "buffer_size", "buffer_fill", "learner_updates", "updates_per_s", "samples_per_s",

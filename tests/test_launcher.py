@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -24,7 +25,7 @@ from common import system
 from common.config import ConfigError
 from common.launcher import plan, report
 from common.launcher.dependencies import EXTRAS
-from common.launcher.modes import MODES
+from common.launcher.modes import MODES, script_module
 from common.launcher.plan import FDS_BASE, ULTRA_MIN_CORES, recommend
 
 LAUNCHER = "launch_parallel_training.py"
@@ -149,6 +150,18 @@ def test_advice_for_a_big_machine_bounds_workers_and_buffers_by_what_it_has():
     assert recommend(machine(256, gpus=1)).plan.threads == {"per_actor": 1, "learner": 1}
     dqn_on_4_gpus = recommend(machine(64, gpus=4)).plans["dqn"]
     assert any("cuda:0; 3 more GPUs would stay idle" in w for w in dqn_on_4_gpus.warnings)
+
+
+def test_the_memory_plan_counts_the_buffers_each_script_declares():
+    """The plans size buffers with the scripts' own declarations (Mode.buffers, Mode.shm_buffers), nothing else."""
+    plans = recommend(machine(64, gpus=1, ram_gib=512, shm_gib=256)).plans
+    for name, mode_plan in plans.items():
+        declared = script_module(name).MODE
+        assert declared.buffers is not None, name
+        buffer_keys = {key.removesuffix("_bytes") for key in mode_plan.memory} - {
+            "per_worker_rss", "main_rss", "total_ram", "ram_budget", "shm", "shm_free"}
+        assert buffer_keys and set(declared.shm_buffers) <= buffer_keys, (name, buffer_keys)
+        assert mode_plan.memory["shm_bytes"] == sum(mode_plan.memory[f"{k}_bytes"] for k in declared.shm_buffers)
 
 
 def test_assume_facts_replaces_the_measured_facts_for_the_launcher():
@@ -282,6 +295,8 @@ def test_a_default_env_that_cannot_be_made_here_is_not_recommended(monkeypatch):
         return real(name)
 
     monkeypatch.setattr(plan, "default_env", default_env)
+    # A fresh cache of the buffers' sizes: those of the real env are cached.
+    monkeypatch.setattr(plan, "buffer_bytes", functools.cache(plan.buffer_bytes.__wrapped__))
     rec = recommend(machine(2))
     timed = rec.plans["timed"]
     assert timed.cannot_run is None and "LunarLander-v3" in timed.not_recommended

@@ -2,9 +2,9 @@
 
 A training script says what it is once, in ``MODE = common.run.Mode(...)``: its config
 dataclass(es) with the defaults a user edits, the actions it trains, the kwargs its envs are
-made with. The launcher reads that declaration and adds only what is its own (:class:`LaunchMode`):
-the name a user picks the mode by, a line about it, and the script's flags it translates its
-budgets into.
+made with, the bytes of its big buffers (which :mod:`.plan` sizes runs with). The launcher reads
+that declaration and adds only what is its own (:class:`LaunchMode`): the name a user picks the
+mode by, a line about it, and the script's flags it translates its budgets into.
 
 The scripts are imported on first use, when a plan is made: they import numpy and gymnasium
 (never torch), which the dependency check must be able to report missing first.

@@ -1,22 +1,23 @@
 """A plan per mode for this machine, and the recommendation: a pure function of the machine's facts.
 
 Each planner reads its script's declaration (:mod:`.modes`: the config's defaults, the default
-env's spaces) and sizes the run's buffers with the very functions the script allocates them with:
-``common.rollout.rollout_layout`` for the timed mode's shared rollout, ``common.replay.replay_bytes``
-for the DQN learner's local replay, ``common.replay_shm.ReplayLayout`` for the ultra mode's
-shared one. What the launcher adds is its own model of a process (the RSS constants below) and
+env's spaces) and sizes the run's buffers with what the script declares of them (``Mode.buffers``:
+name -> bytes for a config, from the very functions the script allocates them with; ``Mode.shm_buffers``:
+those in /dev/shm), for the default config with the plan's own workers and replay size. What the
+launcher adds is its own model of a process (the RSS constants below), the same in every mode, and
 the rules that choose workers, threads and devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
 from common import system
 from common.config import ConfigError
-from common.launcher.modes import MODES, default_buffer, default_env, script_defaults
+from common.launcher.modes import MODES, default_buffer, default_env, script_defaults, script_module
 
 MiB, GiB = 2**20, 2**30
 
@@ -76,35 +77,39 @@ def memory_plan(m: system.Machine, workers: int, per_worker: int, main: int, buf
             "shm_bytes": shm, "shm_free_bytes": m.shm_free}
 
 
+@functools.cache  # the plans of many machines share their sizes (tests/test_launcher_shapes.py plans thousands)
+def buffer_bytes(name: str, **settings) -> dict[str, int]:
+    """The big buffers (name -> bytes) of mode ``name``'s default config with ``settings`` (the plan's
+    ``num_workers``, ``buffer_size``), as its script declares them, for its default env: None for a mode that
+    probes its env its own way (the population's market, whose making builds the history). Shared: do not
+    change it. ConfigError where the default env cannot be made here."""
+    mode, defaults = script_module(name).MODE, script_defaults(name)
+    cfg = dataclasses.replace(defaults, **settings) if settings else defaults
+    return mode.buffers(cfg, None if mode.probe else default_env(name))
+
+
+def shm_buffers(name: str) -> tuple[str, ...]:
+    """Which of mode ``name``'s buffers live in /dev/shm, as its script declares them."""
+    return script_module(name).MODE.shm_buffers
+
+
 # --------------------------------------------------------------------------- the timed mode
 
-def rollout_bytes(n_steps: int, num_envs: int, env) -> int:
-    """Bytes of one shared rollout of train_parallel_timed.py (``n_steps`` x ``num_envs``), as it allocates it."""
-    import numpy as np
-
-    from common.rollout import rollout_layout
-
-    layout = rollout_layout(n_steps, num_envs, env.observation_space, env.action_space)
-    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
-
-
 def plan_timed(m: system.Machine) -> Plan:
-    mode, d, env = MODES["timed"], script_defaults("timed"), default_env("timed")
-    per_worker_rollout = rollout_bytes(d.n_steps, d.num_envs_per_worker, env)
-
-    def rollout(workers: int) -> int:  # every array of a rollout has a column per env
-        return max(1, workers) * per_worker_rollout
+    mode, d, shm_keys = MODES["timed"], script_defaults("timed"), shm_buffers("timed")
+    # Every array of a rollout has a column per env: a worker adds one worker's share of each buffer (and the
+    # sequential run, with no workers, has one worker's envs in the main process).
+    one = buffer_bytes("timed", num_workers=1)
 
     # Lockstep workers wait for the slowest, and two on one core's hyperthreads slow each other: one per core.
     wanted = min(m.usable_cores, m.physical_cores) if m.usable_cores > 1 else 0
-    per_worker = WORKER_RSS + 2 * rollout(1)  # its share of the shared rollout and of the learner's batch
-    workers, notes = fit_workers(m, wanted, per_worker, MAIN_RSS + 2 * rollout(0))
-    by_shm = int(SHM_SHARE * m.shm_free // rollout(1))
+    per_worker = WORKER_RSS + sum(one.values())  # its share of the shared rollout and of the learner's batch
+    workers, notes = fit_workers(m, wanted, per_worker, MAIN_RSS + sum(one.values()))
+    by_shm = int(SHM_SHARE * m.shm_free // sum(one[k] for k in shm_keys))
     if by_shm < workers:
         notes.append(f"/dev/shm holds the rollout of {by_shm} workers, not {workers}")
         workers = by_shm
-    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, {"rollout": rollout(workers), "batch": rollout(workers)},
-                         ("rollout",))
+    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, buffer_bytes("timed", num_workers=workers), shm_keys)
     plan = Plan("timed", [mode.workers_flag, str(workers)],
                 {"num_workers": workers, "num_envs_per_worker": d.num_envs_per_worker, "n_steps": d.n_steps,
                  "device": d.device},
@@ -180,29 +185,12 @@ def replay_flags(name: str, budget: ReplayBudget, device: str | None = None) -> 
     return args
 
 
-def shared_replay_bytes(capacity: int, actors: int, env, prioritized: bool) -> int:
-    """Bytes of ultra_parallel_train_dqn.py's shared replay, ``capacity`` slots split among ``actors``, as it
-    allocates them."""
-    from common.replay import storage_dtype
-
-    space = env.observation_space
-    return _replay_layout_bytes(capacity, actors, space.shape, storage_dtype(space).name, prioritized)
-
-
-@functools.cache  # the plans of many machines share their sizes (tests/test_launcher_shapes.py plans thousands)
-def _replay_layout_bytes(capacity: int, actors: int, obs_shape: tuple[int, ...], obs_dtype: str,
-                         prioritized: bool) -> int:
-    from common.replay_shm import ReplayLayout
-
-    return int(ReplayLayout(capacity, actors, obs_shape, obs_dtype, prioritized).nbytes())
-
-
 def plan_ultra(m: system.Machine) -> Plan:
-    d, env = script_defaults("ultra"), default_env("ultra")
+    d = script_defaults("ultra")
     gpu, cores = bool(m.gpus), m.usable_cores
     learner_threads = 1 if gpu else max(1, min(8, cores // 4))  # a GPU learner needs one core to feed it
     # and one core stays for the system and the bookkeeping
-    budget = replay_budget(m, "ultra", shared_replay_bytes(1, 1, env, d.prioritized),
+    budget = replay_budget(m, "ultra", sum(buffer_bytes("ultra", num_workers=1, buffer_size=1).values()),
                            max(1, cores - learner_threads - 1), in_shm=True, what="actors")
     actors, buffer = budget.workers, budget.buffer
     burst = d.n_step * d.num_envs_per_worker  # each actor's replay share must hold one vector step's output
@@ -211,8 +199,8 @@ def plan_ultra(m: system.Machine) -> Plan:
         budget.notes.append(f"a replay of {buffer} transitions holds {actors} actors' shares")
     args = replay_flags("ultra", budget)  # the script's device "auto" puts the learner on the GPU
     device = "cuda:0" if gpu else "cpu"
-    replay = shared_replay_bytes(buffer, max(1, actors), env, d.prioritized)
-    memory = memory_plan(m, actors, WORKER_RSS, budget.main, {"replay": replay}, ("replay",))
+    replay = buffer_bytes("ultra", num_workers=max(1, actors), buffer_size=buffer)
+    memory = memory_plan(m, actors, WORKER_RSS, budget.main, replay, shm_buffers("ultra"))
     # fp32 by default: at these networks' sizes autocast measured slower on an H200 (common.dqn.resolve_precision)
     precision = ("fp32; bf16 autocast" if float(m.gpus[0].capability) >= 8.0 else "fp32; fp16 with a GradScaler") \
         if gpu else "fp32"
@@ -230,24 +218,16 @@ def plan_ultra(m: system.Machine) -> Plan:
     return plan
 
 
-def local_replay_bytes(capacity: int, env) -> int:
-    """Bytes of parallel_train_dqn.py's replay in the learner's process (with next-action masks where the env
-    masks actions), as it allocates it."""
-    from common.replay import replay_bytes, storage_dtype
-
-    space, masks = env.observation_space, int(env.action_space.n) if env.action_mask else None
-    return int(replay_bytes(capacity, space.shape, storage_dtype(space), masks))
-
-
 def plan_dqn(m: system.Machine) -> Plan:
-    d, env = script_defaults("dqn"), default_env("dqn")
+    d = script_defaults("dqn")
     cores = m.usable_cores
     learner_threads = 1 if m.gpus or cores < 4 else 2
-    budget = replay_budget(m, "dqn", local_replay_bytes(1, env), max(1, cores - learner_threads), in_shm=False,
-                           what="workers")
+    budget = replay_budget(m, "dqn", sum(buffer_bytes("dqn", buffer_size=1).values()),
+                           max(1, cores - learner_threads), in_shm=False, what="workers")
     workers = budget.workers
     device = "cuda:0" if m.gpus else d.device
-    memory = memory_plan(m, workers, WORKER_RSS, budget.main, {"replay": local_replay_bytes(budget.buffer, env)})
+    memory = memory_plan(m, workers, WORKER_RSS, budget.main, buffer_bytes("dqn", buffer_size=budget.buffer),
+                         shm_buffers("dqn"))
     plan = Plan("dqn", replay_flags("dqn", budget, device),
                 {"num_workers": workers, "buffer_size": budget.buffer, "device": device},
                 {"per_worker": 1, "learner": learner_threads},
@@ -262,9 +242,10 @@ def plan_dqn(m: system.Machine) -> Plan:
 
 def plan_population(m: system.Machine) -> Plan:
     mode, d, gpus = MODES["ppo-multiprocess"], script_defaults("ppo-multiprocess"), len(m.gpus)
-    # The default Market-v0's history in shared memory (common.envs.market.MarketData: float32 prices and
-    # volumes, one row per item): counted, not measured, since making the env builds the history (seconds).
-    cache = d.num_items * d.history_steps * 2 * 4
+    # The default Market-v0's history in /dev/shm: the script counts it from the config (no env: making one
+    # builds the history, seconds).
+    buffers = buffer_bytes("ppo-multiprocess")
+    cache = sum(buffers.values())
     per_worker = WORKER_RSS + (CUDA_HOST_RSS if gpus else 0)
     # One core stays for the coordinator; each worker's GPU memory counts too.
     workers, notes = fit_workers(m, max(1, m.usable_cores - 1), per_worker, MAIN_RSS + cache, per_gpu=POPULATION_VRAM)
@@ -278,7 +259,7 @@ def plan_population(m: system.Machine) -> Plan:
                    f"image policies {on_gpus}")
     else:
         devices = "every worker on the CPU"
-    memory = memory_plan(m, workers, per_worker, MAIN_RSS, {"cache": cache}, ("cache",))
+    memory = memory_plan(m, workers, per_worker, MAIN_RSS, buffers, shm_buffers("ppo-multiprocess"))
     plan = Plan("ppo-multiprocess", [mode.workers_flag, str(max(1, workers))],
                 {"num_workers": workers, "num_envs_per_worker": d.num_envs_per_worker,
                  "device": "cpu"},  # what the script's device "auto" picks for the default env's MLP policy
