@@ -539,9 +539,10 @@ MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.spli
 
 
 def train(config: Config | None = None, **fields) -> dict:
-    """The same run from Python: ``train(Config(env_id="CartPole-v1"))`` or ``train(env_id="CartPole-v1")``.
+    """The same run from Python (``common.run.train_in_process``), its summary back: ``summary.json``'s keys
+    and ``run_dir``::
 
-    Returns the summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``.
+        summary = train(Config(env_id="CartPole-v1"))  # or train(env_id="CartPole-v1")
     """
     return train_in_process(MODE, config if config is not None else Config(**fields))
 
