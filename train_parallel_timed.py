@@ -419,7 +419,11 @@ class PPOTrainer:
 
     def stop_reason(self) -> str | None:
         """Every rank stops after the same update: a signal anywhere, or rank 0's decision."""
-        if self.dist.any_rank(self.run.graceful.requested):
+        # A signal that reached some ranks only stops every rank, and each exits with its status (130/143).
+        signum = self.dist.highest(self.run.graceful.signum or 0)
+        if signum:
+            if not self.run.graceful.requested:
+                self.run.graceful.signum = signum
             return "interrupted"
         reason = self.dist.agree_on_stop(self.run.stop_reason())
         if reason is not None:  # every rank's log and summary give the reason it stopped for, rank 0's

@@ -66,6 +66,9 @@ class SingleProcess:
     def any_rank(self, flag: bool) -> bool:
         return flag
 
+    def highest(self, value: int) -> int:
+        return value
+
     def close(self, abort: bool = False) -> None:
         pass
 
@@ -214,6 +217,14 @@ class TorchDistributed:
         self._call("flag all-reduce", self.dist.all_reduce, tensor, op=self.dist.ReduceOp.MAX)
         return bool(tensor.item() > 0)
 
+    def highest(self, value: int) -> int:
+        """The largest of every rank's ``value`` (a signal number, 0 for none), on every rank."""
+        import torch
+
+        tensor = torch.tensor([float(value)], device=self.device)
+        self._call("max all-reduce", self.dist.all_reduce, tensor, op=self.dist.ReduceOp.MAX)
+        return int(tensor.item())
+
     def close(self, abort: bool = False) -> None:
         if not self.dist.is_initialized():
             return
@@ -236,6 +247,65 @@ def from_environment(device: str = "cpu") -> SingleProcess | TorchDistributed:
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         return TorchDistributed(device)
     return SingleProcess()
+
+
+class StartRefused(RuntimeError):
+    """A rank cannot start the run (its configuration, rank 0's run directory): every rank ends with that
+    rank's exit status (2, or 3 for a locked run directory) and one line, instead of waiting for it."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def start_together(dist: SingleProcess | TorchDistributed, restarted: bool) -> bool:
+    """Every rank's first collective: whether any rank was restarted by torchrun; StartRefused if a rank
+    sent the line of a configuration it refused instead (:func:`refuse_start`)."""
+    if dist.world_size == 1:
+        return False
+    starts = dist.gather_objects(restarted)
+    refusals = [f"rank {rank} cannot start: {start}" for rank, start in enumerate(starts) if isinstance(start, str)]
+    if refusals:
+        dist.close(abort=True)
+        raise StartRefused("; ".join(refusals), 2)
+    return any(starts)
+
+
+def refuse_start(reason: str, device: str) -> None:
+    """Under torchrun, a rank whose configuration is refused (it has said so in its own line) still meets
+    the others once, at their first collective (:func:`start_together`), and hands them ``reason``: every
+    rank then exits 2 at once, where they would wait PRL_COLLECTIVE_TIMEOUT_S for it and fail. ``device``
+    picks the backend the other ranks use (gloo for a CPU learner or CPU-only exchanges)."""
+    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+        return
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        return  # it has met them already: they hear of it from rank_0_opened or at their next message
+    try:
+        dist = TorchDistributed(device)
+        dist.gather_objects(reason)
+        dist.close(abort=True)
+    except (RuntimeError, ValueError, OSError):  # the others are gone: nobody to tell
+        pass
+
+
+def rank_0_opened(dist: SingleProcess | TorchDistributed, refused: BaseException | None = None) -> None:
+    """Rank 0 tells every rank whether it could open the run directory: ``refused`` is why not (a
+    ConfigError, exit 2: it holds another run's checkpoints; a SystemExit 3: another run holds its lock).
+    The other ranks then raise StartRefused with that status, where they would fail at their first message
+    to rank 0; rank 0 goes on to raise ``refused``."""
+    if dist.world_size == 1:
+        return
+    status, reason = None, ""
+    if isinstance(refused, SystemExit):
+        status, reason = refused.code, "another run holds the lock on its run directory"
+    elif refused is not None:
+        status, reason = 2, str(refused)
+    status, reason = dist.broadcast_object((status, reason))
+    if status is not None and not dist.is_main:
+        dist.close(abort=True)
+        raise StartRefused(f"rank 0 cannot start: {reason}", status)
 
 
 def log_to_stderr(rank: int) -> None:

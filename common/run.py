@@ -175,12 +175,36 @@ def open_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Pat
 
 def run_training(mode: Mode, argv: list[str] | None = None) -> int:
     """The whole lifecycle of one run of ``mode``; returns the exit status."""
+    from common.distributed import StartRefused, launched_by_torchrun
+
+    # Under torchrun a refused value is raised, not exited on, so that its line can reach the other ranks.
+    with_peers = mode.distributed and launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1"
     try:
-        run = open_any_run(mode, argv)
+        run = open_any_run(mode, argv, exit_on_error=not with_peers)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        _tell_the_other_ranks(mode, argv, str(err))
         return EXIT_BAD_CONFIG
+    except StartRefused as err:  # another rank's configuration, or rank 0's run directory
+        print(f"error: {err}", file=sys.stderr)
+        return err.status
+    except SystemExit as exit_:  # argparse refused the command line, in one line already
+        if exit_.code == EXIT_BAD_CONFIG:
+            _tell_the_other_ranks(mode, argv, "its command line is refused (its own line says why)")
+        raise
     return EXIT_OK if run is None else execute(mode, run)
+
+
+def _tell_the_other_ranks(mode: Mode, argv: list[str] | None, reason: str) -> None:
+    """Under torchrun the other ranks wait for this one at their first collective: they end with exit
+    status 2 too (common.distributed.refuse_start). Not with --validate-only, where no rank meets another."""
+    from common.distributed import refuse_start
+
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if mode.distributed and "--validate-only" not in args:
+        device = next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--device"),
+                      getattr(mode.config, "device", "cpu"))
+        refuse_start(reason, "cpu" if mode.cpu_collectives else device)
 
 
 def open_any_run(mode: Mode, argv: list[str] | None, exit_on_error: bool = True,
@@ -236,7 +260,7 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
     dist = distributed.from_environment("cpu" if mode.cpu_collectives else getattr(cfg, "device", "cpu"))
     # torchrun restarts the ranks of every node, but only the node whose rank failed counts a restart
     # (TORCHELASTIC_RESTART_COUNT): rank 0 may be one that does not know the job is continuing.
-    restarted = dist.world_size > 1 and any(dist.gather_objects(elastic_restarts() > 0))
+    restarted = distributed.start_together(dist, elastic_restarts() > 0)  # StartRefused: a rank's config is bad
     if restarted and dist.is_main and cfg.resume is None:
         cfg.resume = "auto"
         resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires)
@@ -247,9 +271,15 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
     if resume_path is not None:
         cfg.output_dir = str(run_dir)
     if dist.is_main:
-        run = open_run(mode, cfg, env, run_dir, resume_path, state, budget)
+        try:
+            run = open_run(mode, cfg, env, run_dir, resume_path, state, budget)
+        except (ConfigError, SystemExit) as err:  # another run's checkpoints (2) or lock (3): every rank ends so
+            distributed.rank_0_opened(dist, refused=err)
+            raise
+        distributed.rank_0_opened(dist)
         run.dist, run.is_main = dist, True
         return run
+    distributed.rank_0_opened(dist)
     distributed.log_to_stderr(dist.rank)
     return Run(mode.script, cfg, env, run_dir, None, resume_path, state, budget, mode.metrics_columns, dist,
                env_kwargs_of(mode, cfg))

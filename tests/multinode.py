@@ -1,9 +1,9 @@
 """Several torchrun "nodes" on localhost, as a user would start them on several machines.
 
-Each node is its own ``python -m torch.distributed.run`` invocation joining one c10d rendezvous on
-127.0.0.1. Node 0 is started first and hosts the rendezvous store (``is_host=1``), so it gets
-rank 0 (c10d ranks nodes by address, then by the agent's pid) and losing another node never
-takes the store down with it.
+Each node is its own ``python -m torch.distributed.run`` invocation (or ``python -m common.torchrun``,
+the launcher's, with ``wrapper=True``) joining one c10d rendezvous on 127.0.0.1. Node 0 is started first
+and hosts the rendezvous store (``is_host=1``), so it gets rank 0 (c10d ranks nodes by address, then by
+the agent's pid) and losing another node never takes the store down with it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def free_port() -> int:
 
 
 def torchrun_command(script: str, nnodes: int, port: int, run_id: str, *args, nproc: int = 1, host: bool = False,
-                     max_restarts: int = 0, join_timeout_s: int = 60) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+                     max_restarts: int = 0, join_timeout_s: int = 60, wrapper: bool = False) -> list[str]:
+    torchrun = "common.torchrun" if wrapper else "torch.distributed.run"
+    return [sys.executable, "-m", torchrun, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
             "--rdzv-conf", f"is_host={int(host)},join_timeout={join_timeout_s}", "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.5", str(ROOT / script), *map(str, args)]
@@ -40,12 +41,12 @@ class Nodes:
     """
 
     def __init__(self, tmp: Path, script: str, *args, nnodes: int = 2, nproc: int = 1, max_restarts: int = 0,
-                 env: dict | None = None, per_node: dict[int, list] | None = None):
+                 env: dict | None = None, per_node: dict[int, list] | None = None, wrapper: bool = False):
         self.tmp, self.port, self.procs = Path(tmp), free_port(), []
         run_id = f"prl{self.port}"
         for node in range(nnodes):
             command = torchrun_command(script, nnodes, self.port, run_id, *args, *(per_node or {}).get(node, []),
-                                       nproc=nproc, host=node == 0, max_restarts=max_restarts)
+                                       nproc=nproc, host=node == 0, max_restarts=max_restarts, wrapper=wrapper)
             log = open(self.tmp / f"node{node}.log", "w")
             self.procs.append(subprocess.Popen(command, cwd=ROOT, env={**script_env(), **(env or {})}, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True))
@@ -94,8 +95,8 @@ class Nodes:
             return None
 
     def wait_workers_gone(self, node: int, timeout: float) -> bool:
-        """True once the node's ranks have exited (its agent may still wait at torchrun's exit barrier,
-        up to 5 minutes for a node that was lost)."""
+        """True once the node's ranks have exited (plain torchrun's agent may still wait at its exit
+        barrier, up to 5 minutes for a node that was lost; the wrapper's, 5 s)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.procs[node].poll() is not None or not self.workers(node):

@@ -129,8 +129,8 @@ def test_kill_9_of_node_1_rank_0_goes_on_and_reports_its_member(tmp_path):
             # reaping a killed node may take.
             at_loss = len(worker_rows(out, 0))
             nodes.kill(1)
-            # Rank 0's worker finishes its budget, then rank 0 exits (its torchrun agent would wait 5 minutes
-            # at its exit barrier for the lost node: the context manager ends it).
+            # Rank 0's worker finishes its budget, then rank 0 exits (plain torchrun here: the context manager
+            # ends its agent; tests/test_torchrun.py has what python -m common.torchrun does after a lost node).
             assert wait_until(lambda: (out / "summary.json").exists(), 60), log_text(out)[-3000:]
             assert nodes.wait_workers_gone(0, 30)
         main_log = log_text(out)

@@ -3,7 +3,8 @@
 Every test reads the commands the launcher prints (for the machines of configs/machines/, assumed),
 checks what they say, and runs what can run here: each command's script part with --validate-only,
 the SLURM script with stand-ins for scontrol and srun, and, for the timed mode, the printed commands
-themselves as two torchrun nodes on localhost.
+themselves, as a shell runs them from another directory, as two nodes on localhost. Every command starts
+``python -m common.torchrun`` (tests/test_torchrun.py: how it ends).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from conftest import ROOT, run_script, script_env
 from common import system
 from common.launcher.command import flag_value
 from common.launcher.modes import MODES
-from common.launcher.multinode import RESTART_ENV
+from common.launcher.multinode import PYTHONPATH_WORDS
 
 LAUNCHER = "launch_parallel_training.py"
 MACHINES = ROOT / "configs" / "machines"
@@ -47,17 +48,21 @@ def multinode_json(facts: str, *args, cwd=None) -> dict:
     return json.loads(result.stdout)
 
 
+TORCHRUN = [sys.executable, "-P", "-m", "common.torchrun"]
+
+
 def options(words: list[str]) -> dict[str, str]:
-    """``--flag value`` pairs of a torchrun command, up to the script."""
-    return dict(zip(words[1::2], words[2::2]))
+    """``--flag value`` pairs of a torchrun command (``python -m common.torchrun ...``), up to the script."""
+    assert words[:4] == TORCHRUN, words
+    return dict(zip(words[4::2], words[5::2]))
 
 
 def split_command(command: str) -> tuple[list[str], list[str]]:
     """(torchrun and its options, the script and its flags)."""
     words = shlex.split(command)
-    words = words[1:] if words[0] == RESTART_ENV else words
+    assert words[0] == f"PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}", words[0]
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    return words[:script], words[script:]
+    return words[1:script], words[script:]
 
 
 def flag(words: list[str], name: str) -> str | None:
@@ -76,9 +81,9 @@ def test_each_node_gets_a_torchrun_command_with_the_plans_flags(mode, nnodes, tm
     assert multinode["world_size"] == nnodes and multinode["nproc_reason"].startswith("one rank per node")
     rdzv_id = multinode["rdzv_id"]
     assert re.fullmatch(rf"prl-{mode}-\d{{8}}", rdzv_id)
-    # --max-restarts 3 by default: restarts across nodes need torch's shared store off (pytorch#135712)
-    assert all(c.startswith(RESTART_ENV + " torchrun ") for c in multinode["commands"])
-    assert f"export {RESTART_ENV}" in multinode["slurm"]
+    # The project's torchrun, found from any directory; it turns torch's shared store off for restarts
+    assert all(c.startswith(f"{PYTHONPATH_WORDS} {' '.join(TORCHRUN)} ") for c in multinode["commands"])
+    assert f"export {PYTHONPATH_WORDS}\n" in multinode["slurm"]
     env_id = MODES[mode].default_env
     run_dir = f"runs/{script_name[:-3]}/{env_id}__1__{rdzv_id}"
     assert multinode["output_dir"] == run_dir
@@ -86,7 +91,6 @@ def test_each_node_gets_a_torchrun_command_with_the_plans_flags(mode, nnodes, tm
     scripts = []
     for node, command in enumerate(multinode["commands"]):
         torchrun, script = split_command(command)
-        assert torchrun[0] == "torchrun"
         opts = options(torchrun)
         assert opts == {"--nnodes": str(nnodes), "--nproc-per-node": "1", "--rdzv-backend": "c10d",
                         "--rdzv-endpoint": f"{socket.gethostname()}:29400", "--rdzv-id": rdzv_id,
@@ -180,11 +184,12 @@ def fake_slurm(tmp_path, nodelist: str) -> dict:
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\nprintf '{nodelist}'\n")
     (bin_dir / "srun").write_text('#!/bin/sh\necho "SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK" > srun.txt\n'
+                                  'echo "PYTHONPATH=$PYTHONPATH" >> srun.txt\n'
                                   'for a in "$@"; do echo "$a" >> srun.txt; done\n')
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[10,9]",
-            "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "128"}
+            "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "128", "PYTHONPATH": "/site/lib"}
 
 
 @pytest.mark.timeout(60)
@@ -208,9 +213,9 @@ def test_slurm_script_starts_one_torchrun_per_node_on_the_first_host(tmp_path):
     assert result.returncode == 0, result.stderr
     srun = (tmp_path / "srun.txt").read_text().splitlines()
     assert srun[0] == "SRUN_CPUS_PER_TASK=128"
+    assert srun[1] == f"PYTHONPATH={ROOT}:/site/lib"  # the project first, the job's own path kept
     start = srun.index(multinode["script"][0])
-    torchrun, script = srun[1:start], srun[start:]
-    assert torchrun[0] == "torchrun"
+    torchrun, script = srun[2:start], srun[start:]
     assert options(torchrun) == {"--nnodes": "2", "--nproc-per-node": "1", "--rdzv-backend": "c10d",
                                  "--rdzv-endpoint": "gpu10:29400", "--rdzv-id": multinode["rdzv_id"],
                                  "--rdzv-conf": "join_timeout=600", "--max-restarts": "3"}
@@ -286,14 +291,13 @@ TINY_TIMED = ["--env-id", "CartPole-v1", "--num-workers", "0", "--num-envs-per-w
 
 
 def run_nodes(commands: list[str], cwd) -> list[subprocess.CompletedProcess]:
-    """The printed commands, node 0 first, each as its own torchrun (``python -m torch.distributed.run``)."""
+    """The printed commands, node 0 first, each run by a shell as printed, from ``cwd`` (not the checkout,
+    and with no PYTHONPATH of the tests' own: the command's finds common.torchrun)."""
+    env = {name: value for name, value in script_env().items() if name != "PYTHONPATH"}
     procs = []
     try:
         for command in commands:
-            words = shlex.split(command)
-            variable, value = words.pop(0).split("=") if words[0] == RESTART_ENV else ("_", "")
-            procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:]], cwd=cwd,
-                                          env={**script_env(), variable: value}, stdout=subprocess.PIPE,
+            procs.append(subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
             time.sleep(0.5)  # node 0's agent first: it hosts the store, and its lower pid makes it rank 0 here
         outputs = [p.communicate(timeout=100)[0] for p in procs]

@@ -8,10 +8,11 @@ import argparse
 import os
 import re
 import socket
+import sys
 from datetime import datetime
 
 from common import system
-from common.launcher import UsageError
+from common.launcher import ROOT, UsageError
 from common.launcher.command import build_command, default_run_dir, flag_value, has_flag, plan_args, quote
 from common.launcher.modes import MODES, LaunchMode
 
@@ -96,9 +97,12 @@ def per_rank_args(rec_args: list[str], mode: LaunchMode, nproc: int) -> list[str
     return [item for pair in args.items() for item in pair]
 
 
-# Without it, ranks restarted by --max-restarts on several nodes read the old ranks' addresses from the
-# agent's shared TCP store and cannot connect (pytorch/pytorch#135712); every node's torchrun needs it.
-RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+# torchrun as the project runs it (common/torchrun.py): the run's own exit status and one line on every node,
+# no node idle at the exit barrier for a lost one, and torch's shared store off for restarts across nodes
+# (pytorch/pytorch#135712). ``-m`` finds it through PYTHONPATH, so that the commands run from any directory,
+# and ``-P`` keeps that directory off sys.path: a timeit.py or random.py there would stand in for the stdlib's.
+PYTHONPATH_WORDS = f"PYTHONPATH={quote(str(ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"
+TORCHRUN = ["-P", "-m", "common.torchrun"]
 
 
 def torchrun_words(nnodes: str, nproc: int, endpoint: str, rdzv_id: str, opts: argparse.Namespace,
@@ -107,8 +111,8 @@ def torchrun_words(nnodes: str, nproc: int, endpoint: str, rdzv_id: str, opts: a
     ``is_host`` says outright which node hosts the rendezvous: torch's guess compares the endpoint with
     the machine's hostname and misses an address on a second network card, a cluster network's."""
     conf = f"join_timeout={opts.join_timeout}" + ("" if is_host is None else f",is_host={int(is_host)}")
-    return [*([RESTART_ENV] if is_host is not None and opts.max_restarts else []), "torchrun", "--nnodes", nnodes,
-            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    return [*([PYTHONPATH_WORDS] if is_host is not None else []), quote(sys.executable), *TORCHRUN,
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", quote(rdzv_id), "--rdzv-conf", conf, "--max-restarts", str(opts.max_restarts)]
 
 
@@ -158,8 +162,9 @@ def slurm_script(multinode: dict, facts: dict, script_words: list[str], port: in
         "set -euo pipefail",
         "# srun does not inherit --cpus-per-task from sbatch since Slurm 22.05",
         'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
-        *(["# torchrun's restarts across nodes need it (pytorch/pytorch#135712)", f"export {RESTART_ENV}"]
-          if opts.max_restarts else []),
+        "# python -m common.torchrun: torchrun, ending with the run's own exit status (130 on Ctrl+C, 143 on",
+        "# SIGTERM, 2 for a bad configuration) on every node, none of them left waiting for a lost node",
+        f"export {PYTHONPATH_WORDS}",
         "# The rendezvous host: the node whose name sorts first, the one c10d makes rank 0. Its address must be",
         "# reachable only from this job's nodes (a cluster network, never a public interface).",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | LC_ALL=C sort | head -n 1)',
@@ -184,8 +189,10 @@ def multinode_notes(multinode: dict, host: str) -> list[str]:
         f"{multinode['rdzv_endpoint']} and the ports the ranks open to each other must be reachable only from "
         "the job's own nodes: a cluster network, never a public interface",
         f"nobody answers: the rendezvous waits join_timeout={multinode['join_timeout_s']} s for all "
-        f"{multinode['nnodes']} nodes, then every node that waited exits 1 (RendezvousTimeoutError; "
-        "python -m common.torchrun, with the same arguments, says so in one line)",
+        f"{multinode['nnodes']} nodes, then every node that waited exits 1 with one line (RendezvousTimeoutError)",
+        "every node's python -m common.torchrun exits with the run's own status and one line: 0 finished, 130 "
+        "Ctrl+C and 143 SIGTERM on any node (after rank 0's checkpoint), 2 a bad configuration on any node, 3 a "
+        "locked run directory, 1 a failure (after torchrun's report); a lost node keeps no other node waiting",
         f"torchrun restarts a failed job up to --max-restarts {multinode['max_restarts']} times; each restart "
         f"resumes from the newest checkpoint in {multinode['output_dir'] or 'the run directory'}, and the same "
         "commands started again continue the run (--resume auto)",
