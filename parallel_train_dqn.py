@@ -13,8 +13,9 @@ Every game is stored one ply at a time, the moves of both players, and each ply 
 bootstrapped with minus gamma times the best value of the side to move next (negamax), so
 the network learns what a move is worth against the best reply, not against the opponents
 it happened to meet. Evaluation plays the greedy policy from both seats against a random and
-a heuristic player and against search players it never meets in training. Any
-single-agent Gymnasium id with a Discrete action space works too.
+a heuristic player and against search players it never meets in training. PettingZoo's two-player
+classic games (``pettingzoo/tictactoe-v3`` ...) train the same way against their own players
+(common/envs/pettingzoo_games.py). Any single-agent Gymnasium id with a Discrete action space works too.
 
 Started by ``torchrun``, rank 0 does all of the above, and every other rank runs rollout
 workers only (``--num-workers`` of them on each rank): their whole episodes travel to rank 0
@@ -23,6 +24,7 @@ ones; the weights, epsilon and the opponent pool travel back (docs/multi-node.md
 
     python parallel_train_dqn.py                                   # ConnectFour-v0 self-play
     python parallel_train_dqn.py --config configs/parallel_dqn_cartpole.yaml
+    python parallel_train_dqn.py --config configs/tictactoe_selfplay.yaml     # PettingZoo's tic-tac-toe, until perfect
     python parallel_train_dqn.py --duration 0.25 --resume auto --output-dir runs/c4
 """
 
@@ -67,6 +69,7 @@ class Config(RunConfig):
     duration: float | None = 0.25  # hours of wall time for this invocation (None = no limit)
     target_return: str | None = "auto"  # stop once the mean of the last 100 returns reaches this; auto = the env's own
     target_win_rate: list[float] | None = None  # two-player: stop once eval win rates vs random, heuristic reach these
+    target_unbeaten: str | None = None  # two-player: stop at the first evaluation losing no game to this player
     learning_rate: float = 5e-4  # Adam step size
     anneal_lr: bool = True  # decay the learning rate linearly to 0 over the budget (duration, steps or episodes)
     gamma: float = 0.99  # discount factor
@@ -74,6 +77,7 @@ class Config(RunConfig):
     buffer_size: int | None = None  # replay capacity in transitions (None = 100 000, or as many as RAM holds)
     learning_starts: int = 1_000  # transitions in the buffer before the first update
     replay_ratio: float = 0.05  # gradient updates per environment transition
+    learning_steps_per_batch: int | None = None  # updates per num_workers x episodes_per_batch episodes; none = auto
     n_step: int = 1  # n-step returns (n rewards, then the bootstrap value times gamma**n; n plies with negamax)
     target_update_interval: int = 250  # gradient updates between target-network updates
     tau: float = 1.0  # target update rate: 1 = hard copy, < 1 = Polyak averaging at every interval
@@ -103,11 +107,13 @@ class Config(RunConfig):
     worker_reset_interval: int | None = None  # iterations between worker resets (fresh envs and seeds; None = never)
     experience_queue_size: int = 2  # batches a worker may play ahead of the learner
 
-    ALIASES = {"n_episodes": "total_episodes"}  # seed 002's name
+    # seed 002's name; num_envs_per_worker as in every script: a worker steps one env per episode of its batch
+    ALIASES = {"n_episodes": "total_episodes", "num_envs_per_worker": "episodes_per_batch"}
 
     def validate(self) -> None:
         super().validate()
-        require_positive(self, "episodes_per_batch", "buffer_size", "replay_ratio", "n_step", "target_update_interval",
+        require_positive(self, "episodes_per_batch", "buffer_size", "replay_ratio", "learning_steps_per_batch",
+                         "n_step", "target_update_interval",
                          "max_grad_norm", "epsilon_decay_steps", "eval_episodes", "snapshot_interval", "pool_size",
                          "max_game_length", "model_sync_interval", "worker_reset_interval", "experience_queue_size")
         for name in ("learning_starts", "eval_interval"):
@@ -130,12 +136,29 @@ class Config(RunConfig):
 
 
 def check_env(cfg: Config, env) -> None:
-    """The symmetries to augment the replay with, the other seat to learn from, and a replay buffer that fits
-    in RAM."""
+    """The symmetries to augment the replay with, the other seat to learn from, the players a two-player game is
+    evaluated against, and a replay buffer that fits in RAM."""
+    env.extra["evaluation_opponents"] = game_players(cfg, env)
     env.extra["symmetries"] = augmenting_symmetries(cfg, env)
     env.extra["other_seat"] = other_seat(cfg)
     env.extra["plies"] = negamax_plies(cfg)
     check_memory(cfg, env)
+
+
+def game_players(cfg: Config, env) -> tuple[str, ...]:
+    """The fixed players the game declares for evaluation (``EVALUATION_OPPONENTS``: ConnectFour-v0's, or a
+    PettingZoo game's, common/envs/pettingzoo_games.py); the training mix and the targets may name only those."""
+    from common.evaluate import evaluation_opponents
+
+    players = evaluation_opponents(cfg.env_id) if env.two_player else ()
+    known = ", ".join(players) or "none: it is not a two-player game"
+    require(cfg.opponent_heuristic == 0 or not env.two_player or "heuristic" in players, "opponent_heuristic",
+            cfg.opponent_heuristic, f"{cfg.env_id} has no heuristic player (its players: {known})")
+    require(cfg.target_win_rate is None or {"random", "heuristic"} <= set(players), "target_win_rate",
+            cfg.target_win_rate, f"needs a random and a heuristic player; {cfg.env_id} has {known}")
+    require(cfg.target_unbeaten is None or cfg.target_unbeaten in players, "target_unbeaten", cfg.target_unbeaten,
+            f"must be a player {cfg.env_id} is evaluated against ({known})")
+    return players
 
 
 def augmenting_symmetries(cfg: Config, env) -> tuple:
@@ -338,9 +361,11 @@ class DQNTrainer:
             if run.env.two_player:
                 self.publish_pool()
             self.remote.start()
-        run.log.info("parallel_train_dqn: %s, %d rollout worker(s) x %d episodes per batch, replay ratio %g, "
+        updates = (f"replay ratio {cfg.replay_ratio:g}" if cfg.learning_steps_per_batch is None else
+                   f"{cfg.learning_steps_per_batch} updates per {cfg.num_workers * cfg.episodes_per_batch} episodes")
+        run.log.info("parallel_train_dqn: %s, %d rollout worker(s) x %d episodes per batch, %s, "
                      "buffer %d, learner on %s (precision %s), world size %d, run dir %s", cfg.env_id,
-                     cfg.num_workers, cfg.episodes_per_batch, cfg.replay_ratio, cfg.buffer_size, self.learner.device,
+                     cfg.num_workers, cfg.episodes_per_batch, updates, cfg.buffer_size, self.learner.device,
                      self.learner.precision, run.dist.world_size, run.run_dir)
 
     def epsilon(self) -> float:
@@ -367,7 +392,7 @@ class DQNTrainer:
             stats = self.store(by_rank)
             learn_started = time.perf_counter()
             with run.budget.part("learn"):
-                learned = self.learn(stats["steps"])
+                learned = self.learn(stats["steps"], stats["episodes"])
             stats["learn_seconds"] = time.perf_counter() - learn_started
             self.after_iteration()
             self.record(stats, learned, time.perf_counter() - started)
@@ -397,12 +422,18 @@ class DQNTrainer:
         return {"steps": steps, "episodes": len(episodes), "staleness": _mean(staleness),
                 "win_rate": _mean([r == 1.0 for r in results])}
 
-    def learn(self, new_steps: int) -> list[dict[str, float]]:
-        """The updates the replay ratio owes for ``new_steps`` new transitions (none before learning_starts)."""
+    def learn(self, new_steps: int, new_episodes: int) -> list[dict[str, float]]:
+        """The updates owed for ``new_steps`` new transitions in ``new_episodes`` episodes (none before
+        learning_starts): ``replay_ratio`` per transition, or with ``learning_steps_per_batch`` that many per
+        num_workers x episodes_per_batch episodes (seed 002's batch, one from each worker)."""
         cfg = self.cfg
         if len(self.buffer) < max(cfg.learning_starts, cfg.batch_size):
             return []
-        self.update_credit += cfg.replay_ratio * new_steps
+        if cfg.learning_steps_per_batch is None:
+            self.update_credit += cfg.replay_ratio * new_steps
+        else:
+            seed_batch = cfg.num_workers * cfg.episodes_per_batch
+            self.update_credit += cfg.learning_steps_per_batch * new_episodes / seed_batch
         count = int(self.update_credit)
         self.update_credit -= count
         self.learner.anneal(self.run.budget_used())
@@ -440,6 +471,8 @@ class DQNTrainer:
             self.last_eval = self.evaluate()
             if win_rates_reached(cfg.target_win_rate, self.last_eval):
                 self.run.request_stop(f"target win rates {cfg.target_win_rate} reached")
+            elif unbeaten(cfg.target_unbeaten, self.last_eval):
+                self.run.request_stop(f"no game lost to {cfg.target_unbeaten} from either seat")
 
     def publish_pool(self) -> None:
         """The opponent pool for the other ranks' workers."""
@@ -475,7 +508,8 @@ class DQNTrainer:
             log.info("eval: mean return %.2f over %d greedy episodes", result["eval_return"], len(episodes))
             return result
         out: dict[str, float] = {}
-        for opponent in EVALUATION_OPPONENTS:  # the training mix's fixed players, then search players it never met
+        opponents = self.run.env.extra.get("evaluation_opponents", EVALUATION_OPPONENTS)
+        for opponent in opponents:  # the training mix's fixed players, then held-out players it never met
             games = {seat: np.array([e["result"] for e in self.manager.evaluate(cfg.eval_episodes, opponent, first)])
                      for seat, first in (("first", True), ("second", False))}
             both = np.concatenate(list(games.values()))
@@ -485,7 +519,7 @@ class DQNTrainer:
                         f"eval_loss_{opponent}": float(np.mean(both == -1.0))})
         log.info("eval: win/draw/loss %% vs %s", ", ".join(
             f"{o} {100 * out[f'eval_win_{o}']:.0f}/{100 * out[f'eval_draw_{o}']:.0f}/{100 * out[f'eval_loss_{o}']:.0f}"
-            for o in EVALUATION_OPPONENTS))
+            for o in opponents))
         return out
 
     def state_dict(self) -> dict:
@@ -530,6 +564,11 @@ def win_rates_reached(target: list[float] | None, evaluation: dict[str, float]) 
     return evaluation["eval_win_random"] >= target[0] and evaluation["eval_win_heuristic"] >= target[1]
 
 
+def unbeaten(player: str | None, evaluation: dict[str, float]) -> bool:
+    """--target-unbeaten: an evaluation that lost no game to ``player``, from either seat."""
+    return player is not None and evaluation.get(f"eval_loss_{player}") == 0
+
+
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
@@ -538,7 +577,10 @@ def _mean(values) -> float:
 # meets (common.envs.connect_four.EVALUATION_OPPONENTS, which a test holds equal; named here so that
 # --help loads no gymnasium).
 EVALUATION_OPPONENTS = ("random", "heuristic", "search1", "search2", "search3", "search4")
-EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent in EVALUATION_OPPONENTS
+# The PettingZoo games' held-out players beyond those (common.envs.pettingzoo_games.GAMES, a test holds them equal).
+PETTINGZOO_OPPONENTS = ("minimax",)
+EVAL_COLUMNS = ["eval_return"] + [f"eval_{what}_{opponent}{seat}" for opponent in (*EVALUATION_OPPONENTS,
+                                                                                   *PETTINGZOO_OPPONENTS)
                                   for what, seat in (("win", ""), ("win", "_first"), ("win", "_second"),
                                                      ("draw", ""), ("loss", ""))]
 MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.split("\n\n")[0],
@@ -550,22 +592,21 @@ MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.spli
                              "iteration", "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])
 
 
-def train(config: Config | None = None, **fields) -> dict:
-    """The same run from Python: ``train(Config(env_id="CartPole-v1", duration=0.1))``; returns the summary
-    (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``."""
-    return train_in_process(MODE, config if config is not None else Config(**fields))
+def train(config: Config | None = None, env_factory=None, **fields) -> dict:
+    """The same run from Python: ``train(Config(env_id="CartPole-v1", duration=0.1))``, or your own env class
+    or function with ``train(config, env_factory=MyEnv)``; returns the summary (``summary.json``'s keys and
+    ``run_dir``); see ``common.run.train_in_process``."""
+    return train_in_process(MODE, config if config is not None else Config(**fields), env_factory)
 
 
 def train_dqn(n_episodes: int | None = None, num_workers: int | None = None, **fields) -> dict:
     """Seed 002's call: ``train_dqn(n_episodes=100_000, num_workers=46, episodes_per_batch=4, batch_size=256)``.
 
     ``num_workers=None`` keeps the default (every core but two); any other keyword is a field of
-    ``Config``. Seed 002's ``learning_steps_per_batch`` is ``replay_ratio`` here (gradient updates per
-    env transition, the same in every script), so a batch's updates follow its length.
+    ``Config``. ``learning_steps_per_batch=None`` is auto: ``replay_ratio`` updates per env transition
+    (one per 20 steps by default), so a batch's updates follow its length; a number is that many
+    updates per ``num_workers * episodes_per_batch`` episodes, as in seed 002.
     """
-    if "learning_steps_per_batch" in fields:
-        raise TypeError("learning_steps_per_batch: set replay_ratio instead (gradient updates per env transition; "
-                        f"the default {Config.replay_ratio} makes one update per {1 / Config.replay_ratio:g} steps)")
     if n_episodes is not None:
         fields["total_episodes"] = n_episodes
     if num_workers is not None:

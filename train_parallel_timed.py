@@ -542,13 +542,14 @@ MODE = Mode("train_parallel_timed", Config, PPOTrainer, description=__doc__.spli
                              "allreduce_kib", "params_hash", "world_size"])
 
 
-def train(config: Config | None = None, **fields) -> dict:
+def train(config: Config | None = None, env_factory=None, **fields) -> dict:
     """The same run from Python (``common.run.train_in_process``), its summary back: ``summary.json``'s keys
     and ``run_dir``::
 
         summary = train(Config(env_id="CartPole-v1"))  # or train(env_id="CartPole-v1")
+        summary = train(Config(env_kwargs=["length=8"]), env_factory=MyEnv)  # your env class or function
     """
-    return train_in_process(MODE, config if config is not None else Config(**fields))
+    return train_in_process(MODE, config if config is not None else Config(**fields), env_factory)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -547,10 +547,11 @@ MODE = Mode("train_ppo_multiprocess", CONFIG_GROUPS, population, description=__d
             distributed=True, cpu_collectives=True)
 
 
-def train(config: Config | None = None, **settings) -> dict:
-    """The same run from Python: ``train(Config(env_id="CartPole-v1", num_workers=2))``; returns the
-    summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``."""
-    return train_in_process(MODE, config if config is not None else Config(**settings))
+def train(config: Config | None = None, env_factory=None, **settings) -> dict:
+    """The same run from Python: ``train(Config(env_id="CartPole-v1", num_workers=2))``, or your own env class
+    or function with ``train(config, env_factory=MyEnv)``; returns the summary (``summary.json``'s keys and
+    ``run_dir``); see ``common.run.train_in_process``."""
+    return train_in_process(MODE, config if config is not None else Config(**settings), env_factory)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ from common.rank_exchange import code_digest, stop_message
 from common.replay import fit_buffer_size, storage_dtype
 from common.replay_shm import ReplayLayout, make_replay
 from common.run import Mode, RunConfig, run_training, train_in_process
+from common.runlog import RecentRate, of_budget
 from common.shm import SharedArrays
 from common.supervisor import WorkerFailed
 from common.system import resolve_device
@@ -243,6 +244,7 @@ class UltraTrainer:
         self.updates_base, self.inserted_base = self.learner.updates, self.replay.inserted()  # again at the start
         self.count_steps()
         self.window = self.new_window()
+        self.episode_rate = RecentRate(cfg.log_interval_s, counters["episodes"])  # the progress line's eps/s
         self.saved_at: tuple[int, int] | None = None  # (updates, steps) of the newest checkpoint
         self.last_saved_episodes = counters["episodes"]
         for note in env.extra.get("notes", []):
@@ -296,6 +298,7 @@ class UltraTrainer:
         run.start_clock()  # the training clock (and --duration) starts once every actor is up
         run.budget.mark_first_step()
         self.window = self.new_window()
+        self.episode_rate = RecentRate(cfg.log_interval_s, run.counters["episodes"])
         self.updates_base, self.inserted_base = self.learner.updates, self.replay.inserted()
         self.allow_inserts()
         self.shared["control"][GO] = 1
@@ -460,6 +463,9 @@ class UltraTrainer:
                     "lag": round(row["policy_lag"], 1)}
         if self.recent_coverage:
             progress = {"cov": f"{100 * np.mean(self.recent_coverage):.1f}%", **progress}
+        if cfg.total_episodes:  # seed 001's budget: the episodes done of it, and how fast they come
+            progress = {"episodes": of_budget(run.counters["episodes"], cfg.total_episodes),
+                        "eps/s": round(self.episode_rate.update(run.counters["episodes"], now), 1), **progress}
         run.write_metrics(row, progress)
         self.window = self.new_window()
 
@@ -552,15 +558,16 @@ MODE = Mode("ultra_parallel_train_dqn", Config, trainer_for, description=__doc__
             distributed=True, cpu_collectives=True, fingerprint=fingerprint)
 
 
-def train(config: Config | None = None, **fields) -> dict:
+def train(config: Config | None = None, env_factory=None, **fields) -> dict:
     """The same run from Python, seed 001's way::
 
         config = UltraTrainingConfig(n_episodes=100_000, n_workers=120, batch_size=256, async_training=True)
         summary = train(config)
+        summary = train(config, env_factory=MyEnv)  # your own env class or function, unregistered
 
     Returns the summary (``summary.json``'s keys and ``run_dir``); see ``common.run.train_in_process``.
     """
-    return train_in_process(MODE, config if config is not None else Config(**fields))
+    return train_in_process(MODE, config if config is not None else Config(**fields), env_factory)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -237,20 +237,38 @@ PARALLEL_FIELDS = ("num_workers", "num_envs_per_worker", "threads_per_worker", "
 
 
 def yaml_sections(groups: dict[str, type]) -> dict[str, set[str]]:
-    """Section name -> the fields it may set."""
+    """Section name -> the fields it may set (and in ``parallel``, a parallel name that is a script's alias)."""
     names = {f.name for cls in groups.values() for f in dataclasses.fields(cls)}
-    parallel = {name for name in PARALLEL_FIELDS if name in names}
+    aliases = {alias for cls in groups.values() for alias in _aliases(cls)}
+    parallel = {name for name in PARALLEL_FIELDS if name in names or name in aliases}
     sections = {"parallel": parallel, "training": names - parallel}
     sections.update({group: {f.name for f in dataclasses.fields(cls)} for group, cls in groups.items() if group})
     return sections
 
 
+def find_config_file(path: str) -> Path:
+    """``--config``'s file. Seed 003's users write ``config/NAME.yaml`` where this project has ``configs/``:
+    when the path named does not exist and the same path under ``configs/`` does, that file is read, and
+    one line on stderr says so (a file the user has at the path named is always the one read)."""
+    file = Path(path)
+    if file.is_file():
+        return file
+    directories = file.parts[:-1]
+    if "config" in directories:
+        last = len(directories) - 1 - directories[::-1].index("config")
+        twin = Path(*directories[:last], "configs", *file.parts[last + 1:])
+        if twin.is_file():
+            print(f"note: --config {path}: no such file; reading {twin} (this project's directory is configs/)",
+                  file=sys.stderr)
+            return twin
+    raise ConfigError("config", path, "no such file")
+
+
 def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dict[str, Any]:
     import yaml
 
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("config", path, "no such file")
+    file = find_config_file(path)
+    path = path if file == Path(path) else str(file)  # what follows names the file read
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as err:
@@ -264,8 +282,9 @@ def _read_yaml(path: str, groups: dict[str, type], owner: dict[str, str]) -> dic
         key = str(key).replace("-", "_")
         if key in sections and isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                name = aliases.get(str(sub_key).replace("-", "_"), str(sub_key).replace("-", "_"))
-                if name not in sections[key]:
+                written = str(sub_key).replace("-", "_")
+                name = aliases.get(written, written)
+                if (written if written in PARALLEL_FIELDS else name) not in sections[key]:
                     raise ConfigError("config", path, f"unknown key '{key}.{sub_key}'; the {key} section takes "
                                                       f"{', '.join(sorted(sections[key]))}")
                 flat[name] = sub_value
@@ -302,10 +321,21 @@ def require(condition: bool, field: str, value: Any, allowed: str) -> None:
 
 
 def require_positive(config: Any, *fields: str) -> None:
+    aliases = _aliases(type(config))
     for name in fields:
+        name = aliases.get(name, name)  # an alias is checked, and named, as the field it stands for
         value = getattr(config, name)
         if value is not None:
             require(value > 0, name, value, "must be > 0")
+
+
+# Seed 003 names Procgen. Checked with pip for Python 3.11: procgen and its forks (procgen2, procgen-mirror,
+# pufferai-procgen) all require numpy < 2 and gym < 1, and procgen-gym, the Gymnasium port, requires
+# Python >= 3.13; this project needs numpy 2 (requirements.txt).
+PROCGEN_REFUSAL = (f"Procgen has no package that installs beside numpy 2 on Python {sys.version_info[0]}."
+                   f"{sys.version_info[1]} (procgen and its forks need numpy < 2 and gym < 1; procgen-gym, its "
+                   "Gymnasium port, needs Python >= 3.13); for pixel games use an Atari id such as ALE/Breakout-v5 "
+                   "(pip install -r requirements-extras.txt) or the built-in Catch-v0")
 
 
 def require_env_id(env_id: str) -> None:
@@ -314,8 +344,14 @@ def require_env_id(env_id: str) -> None:
 
     from common import envs  # registers the built-in envs
 
+    if "procgen" in env_id.lower() and env_id not in gym.registry:
+        raise ConfigError("env_id", env_id, PROCGEN_REFUSAL)
     if envs.atari.is_atari(env_id) and env_id not in gym.registry and not envs.atari.register():
         raise ConfigError("env_id", env_id, "Atari ids need ale-py: pip install -r requirements-extras.txt")
+    try:  # "module:name", a user's env class or function (env_factory), is registered on first use
+        envs.register_entry_point(env_id)
+    except ValueError as err:
+        raise ConfigError("env_id", env_id, str(err).split(": ", 1)[1]) from None
     if env_id not in gym.registry:
         close = [k for k in gym.registry if env_id.split("-")[0].lower() in k.lower()][:5]
         hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.registry for ids"

@@ -12,8 +12,9 @@ The env and the policy are rebuilt from what the run saved (the checkpoint's ``e
 lookahead, below) on seeds the training never used. Besides the return, a built-in env reports
 its own score (ConnectFour win rates against the random and the heuristic player, GridCoverage
 coverage, Market profit). A two-player
-built-in whose module names ``EVALUATION_OPPONENTS`` (ConnectFour: random, heuristic and the search
-players search1-4, which no training mix may contain) is also played ``--episodes`` games against each,
+built-in whose module (or registered class: a PettingZoo game, common/envs/pettingzoo_games.py) names
+``EVALUATION_OPPONENTS`` (ConnectFour: random, heuristic and the search players search1-4, which no
+training mix may contain; tic-tac-toe: random, heuristic and minimax) is also played ``--episodes`` games against each,
 from each seat, and reports win, draw and loss rates per seat and for both together.
 ``--random-opening N`` opens every episode and game of a two-player built-in with N uniformly random
 moves (ConnectFour: at most 6), so that a deterministic policy and a search player, which would
@@ -198,9 +199,23 @@ def env_module(env_id: str):
     return importlib.import_module(entry.split(":")[0]) if isinstance(entry, str) else None
 
 
+def declared(env_id: str, name: str):
+    """What ``env_id`` declares as ``name``: the attribute of the class it is registered with (one class per
+    game where one adapter plays several, common/envs/pettingzoo_games.py), else of its module, else None."""
+    import gymnasium as gym
+
+    try:
+        module = env_module(env_id)
+        entry = gym.spec(env_id).entry_point
+    except gym.error.Error:  # not a registered id (an env the user's own factory makes): nothing declared here
+        return None
+    registered = getattr(module, entry.split(":")[1], None) if isinstance(entry, str) else entry
+    return getattr(registered, name, getattr(module, name, None))
+
+
 def evaluation_opponents(env_id: str) -> tuple[str, ...]:
-    """The fixed players a two-player built-in is scored against: its module's ``EVALUATION_OPPONENTS``."""
-    return tuple(getattr(env_module(env_id), "EVALUATION_OPPONENTS", ()))
+    """The fixed players a two-player built-in is scored against: its ``EVALUATION_OPPONENTS``."""
+    return tuple(declared(env_id, "EVALUATION_OPPONENTS") or ())
 
 
 def lookahead_player(policy, env_id: str, depth: int, seed: int):
@@ -208,7 +223,7 @@ def lookahead_player(policy, env_id: str, depth: int, seed: int):
     ``LookaheadPlayer`` searching ``depth`` plies over the policy's Q-values (ties drawn with ``seed``)."""
     if depth == 0:
         return policy
-    player = getattr(env_module(env_id), "LookaheadPlayer", None)
+    player = declared(env_id, "LookaheadPlayer")
     if player is None:
         raise EvaluationError(f"--search-depth {depth}: {env_id} offers no lookahead (its env module has no "
                               "LookaheadPlayer); only 0 (greedy) is allowed")
@@ -229,7 +244,7 @@ def opening_kwargs(env_id: str, plies: int) -> dict:
     two-player built-in whose env module says how many it allows (``MAX_RANDOM_OPENING``)."""
     if plies == 0:
         return {}
-    most = getattr(env_module(env_id), "MAX_RANDOM_OPENING", None)
+    most = declared(env_id, "MAX_RANDOM_OPENING")
     if most is None:
         raise EvaluationError(f"--random-opening {plies}: {env_id} has no random openings (its env module has no "
                               "MAX_RANDOM_OPENING); only 0 is allowed")

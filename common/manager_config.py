@@ -1,6 +1,7 @@
 """What a :class:`~common.parallel_manager.ParallelManager` is given, checked: seed 004's
-``parallel_config`` (:class:`ManagerConfig`), ``env_config`` (:class:`WorkerSpec`) and
-``model_config`` (:func:`build_model`).
+``parallel_config`` (:class:`ManagerConfig`), ``env_config`` (:class:`WorkerSpec`, with the
+user's ``env_factory``), ``model_config`` (:func:`build_model`), and the user's model against
+the env's spaces (:func:`probe_env_spaces`, :func:`check_model_fits`).
 
 Every check raises a one-line ``ValueError`` naming the dict, the key, the value and what is
 allowed, before any process or shared memory exists.
@@ -9,11 +10,13 @@ allowed, before any process or shared memory exists.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from torch import nn
 
 from common.networks import QNetwork
 from common.system import usable_cores
@@ -131,23 +134,113 @@ class WorkerSpec:
         self.validate()
 
     @classmethod
-    def from_dict(cls, env_config: dict) -> WorkerSpec:
-        """``{"env_id": ..., "seed": ...}``; every other key is a keyword argument of the env."""
+    def from_dict(cls, env_config: dict, env_factory: Callable[..., gym.Env] | None = None) -> WorkerSpec:
+        """``{"env_id": ..., "seed": ...}``; every other key is a keyword argument of the env.
+
+        With ``env_factory`` (the user's env class or a function returning an env) instead of an
+        ``env_id``, the env is the factory's (its id is ``"module:name"``, see
+        :func:`common.envs.env_factory_id`), so seed 004's ``{"board_size": 9, "max_moves": 200}``
+        reaches ``env_factory(board_size=9, max_moves=200)`` unchanged."""
         if not isinstance(env_config, dict):
             raise ValueError(f"env_config: must be a dict or a WorkerSpec, not {type(env_config).__name__}")
         config = dict(env_config)
+        if env_factory is not None:
+            if "env_id" in config:
+                raise ValueError(f"env_config: env_id {config['env_id']!r} and env_factory both name the env; "
+                                 f"give one")
+            from common.envs import env_factory_id
+
+            config["env_id"] = env_factory_id(env_factory)
         if "env_id" not in config:
-            raise ValueError("env_config: needs an env_id (a Gymnasium id, e.g. ConnectFour-v0); the other keys "
-                             "are the env's keyword arguments")
+            raise ValueError("env_config: needs an env_id (a Gymnasium id, e.g. ConnectFour-v0) or env_factory= "
+                             "(your env's class or function); the other keys are the env's keyword arguments")
         own = {f.name for f in fields(cls)} - {"env_kwargs"}
         return cls(**{k: config.pop(k) for k in list(config) if k in own}, env_kwargs=config)
 
 
-def build_model(spec: WorkerSpec, model_config: dict | None = None) -> QNetwork:
-    """The Q-network ``model_config`` describes for ``spec``'s env: ``hidden_sizes``, or seed 004's
-    ``hidden_dim`` and ``num_layers``; ``input_dim`` and ``action_dim``, if given, must match the env."""
-    from common import envs  # noqa: F401  (registers the built-in envs)
+@dataclass
+class EnvSpaces:
+    """What the learner's process reads from one env of a spec: its spaces, a first observation
+    and whether it marks legal actions (``info["action_mask"]``, one bool per action)."""
 
+    env_id: str
+    observation_space: gym.Space
+    action_space: gym.Space
+    first_obs: np.ndarray
+    action_mask: bool
+
+
+def probe_env_spaces(spec: WorkerSpec) -> EnvSpaces:
+    """Make and reset one env as the workers will; one-line ValueError if it cannot be made or its
+    action mask does not fit its action space."""
+    from common.envs import make_env  # registers the built-ins and "module:name" ids
+
+    try:
+        env = make_env(spec.env_id, spec.seed, **spec.env_kwargs)()
+        obs, info = env.reset(seed=spec.seed)
+    except Exception as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"env_config: cannot create {spec.env_id} with {spec.env_kwargs}: {detail}") from None
+    obs_space, action_space = env.observation_space, env.action_space
+    env.close()
+    mask = info.get("action_mask") if isinstance(info, dict) else None
+    if mask is not None:
+        need = (int(action_space.n),) if isinstance(action_space, gym.spaces.Discrete) else None
+        if need is None or np.shape(mask) != need:
+            raise ValueError(f"env_config: {spec.env_id}'s info['action_mask'] has shape {np.shape(mask)}; its action "
+                             f"space {action_space} needs {need or 'a Discrete space'}, one bool per action")
+    return EnvSpaces(spec.env_id, obs_space, action_space, np.asarray(obs), mask is not None)
+
+
+def _first_linear_inputs(model: nn.Module) -> int | None:
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    return first.in_features if isinstance(first, nn.Linear) else None
+
+
+def check_model_fits(model: nn.Module, spaces: EnvSpaces) -> None:
+    """One-line ValueError, naming both shapes, unless ``model`` takes the env's observations and
+    (by the convention of :func:`common.rollout_worker.action_scores`) gives one score per action.
+
+    The model runs once, in eval mode and without gradients, on the env's first observation as a
+    float32 batch of one; an output the convention does not read is left to the workers' own
+    first check, which an ``act_fn`` also passes through."""
+    import torch
+
+    from common.rollout_worker import action_scores
+
+    obs_shape = tuple(spaces.first_obs.shape)
+    name = type(model).__name__
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else "cpu"
+    batch = torch.as_tensor(spaces.first_obs[None], dtype=torch.float32, device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(batch)
+    except Exception as err:
+        inputs = _first_linear_inputs(model)
+        takes = f" (its first layer takes {inputs} inputs)" if inputs is not None else ""
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"model: {name}{takes} cannot take {spaces.env_id}'s observations of shape {obs_shape} "
+                         f"({int(np.prod(obs_shape))} values): {type(err).__name__}: {detail}") from None
+    finally:
+        model.train(training)
+    try:
+        scores = action_scores(output)
+    except TypeError:
+        return
+    n = getattr(spaces.action_space, "n", None)
+    if n is not None and scores.shape[1] != int(n):
+        raise ValueError(f"model: {name} gives {scores.shape[1]} scores per observation (output shape "
+                         f"{tuple(scores.shape)} for a batch of 1), but {spaces.env_id} has {int(n)} actions "
+                         f"({spaces.action_space})")
+
+
+def build_model(spec: WorkerSpec, model_config: dict | None = None, spaces: EnvSpaces | None = None) -> QNetwork:
+    """The Q-network ``model_config`` describes for ``spec``'s env (``spaces``: as read from it):
+    ``hidden_sizes``, or seed 004's ``hidden_dim`` and ``num_layers``; ``input_dim`` and
+    ``action_dim``, if given, must match the env."""
     if model_config is not None and not isinstance(model_config, dict):
         raise ValueError(f"model_config: must be a dict, not {type(model_config).__name__}")
     config = dict(model_config or {})
@@ -156,19 +249,16 @@ def build_model(spec: WorkerSpec, model_config: dict | None = None) -> QNetwork:
     sizes = config.get("hidden_sizes", [1])
     if not isinstance(sizes, (list, tuple)) or not all(_is_int(w) and w >= 1 for w in sizes):
         raise ValueError(f"model_config: hidden_sizes {sizes!r} must be a list of ints >= 1")
-    try:
-        env = gym.make(spec.env_id, **spec.env_kwargs)
-    except Exception as err:
-        raise ValueError(f"env_config: cannot create {spec.env_id} with {spec.env_kwargs}: {err}") from None
-    obs_space, action_space = env.observation_space, env.action_space
-    env.close()
+    spaces = spaces or probe_env_spaces(spec)
+    obs_space, action_space = spaces.observation_space, spaces.action_space
     hidden = config.pop("hidden_sizes", None)
     width, layers = config.pop("hidden_dim", None), config.pop("num_layers", 2)
     hidden = list(hidden) if hidden is not None else [width] * layers if width else list(spec.hidden_sizes)
     actual = {"input_dim": int(np.prod(obs_space.shape)), "action_dim": int(getattr(action_space, "n", -1))}
     for key, value in actual.items():
         if key in config and int(config.pop(key)) != value:
-            raise ValueError(f"model_config: {key} {model_config[key]} does not match {spec.env_id} ({value})")
+            raise ValueError(f"model_config: {key} {model_config[key]} does not match {spec.env_id} ({value}: "
+                             f"observations of shape {obs_space.shape}, action space {action_space})")
     if config:
         raise ValueError(f"model_config: unknown key(s) {', '.join(sorted(config))}")
     return QNetwork(obs_space, action_space, tuple(hidden))

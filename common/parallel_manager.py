@@ -32,6 +32,14 @@ Commands (learner -> worker): ``settings``, ``opponents``, ``credit``, ``pause``
 ``episodes``, ``eval``, ``paused``, ``reset_done``. Two-player built-ins get their opponents
 from :mod:`common.envs.selfplay`; nothing here knows a particular env.
 
+**The env.** A Gymnasium id (``env_config["env_id"]``), or the user's own env as it takes the
+model: ``env_factory=``, an env class or a module-level function that returns an env, which
+``env_config``'s keys reach as keyword arguments (seed 004's ``{"board_size": 9, "max_moves":
+200}``). Workers import the factory by name (:func:`common.envs.env_factory_id`). The learner's
+process makes one env first and reads its spaces and whether it marks legal actions
+(``observation_space``, ``action_space``, ``action_mask``); a model that does not fit them is
+refused in one line (:func:`~common.manager_config.check_model_fits`).
+
 Seed 004's call works with plain dicts: ``env_config`` names the env and its keyword
 arguments, ``model_config`` the Q-network (or ``model=`` any module), ``parallel_config`` the
 fields of :class:`~common.manager_config.ManagerConfig`::
@@ -66,7 +74,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.manager_config import ManagerConfig, WorkerSpec, build_model, check_value
+from common.manager_config import (
+    ManagerConfig,
+    WorkerSpec,
+    build_model,
+    check_model_fits,
+    check_value,
+    probe_env_spaces,
+)
 from common.model_packing import pack_model, parameter_shapes
 from common.networks import SharedParams, flat_size
 from common.rollout_worker import ExperienceBatch, rollout_worker
@@ -166,20 +181,28 @@ def _release(supervisor: Supervisor, arrays: SharedArrays) -> None:
 class ParallelManager:
     """Runs rollout workers for a training loop (see the module docstring).
 
-    ``env_config``: a :class:`WorkerSpec` or seed 004's dict; ``model_config``: the Q-network
-    (ignored when ``model`` is given); ``parallel_config``: a :class:`ManagerConfig` or a dict of
-    its fields; ``model``: any ``nn.Module`` whose classes a worker can import (the network is
-    then ``manager.model``); ``act_fn``: how workers act with it (see :class:`InferencePolicy`;
-    None = the convention). Every argument is checked before any process or shared memory exists:
-    a one-line ValueError names the first that cannot work. Also a context manager (stops on exit).
+    ``env_config``: a :class:`WorkerSpec` or seed 004's dict; ``env_factory``: the user's env
+    class or env-making function, which the dict's keys (all but ``seed``) are passed to, in place
+    of an ``env_id``; ``model_config``: the Q-network (ignored when ``model`` is given);
+    ``parallel_config``: a :class:`ManagerConfig` or a dict of its fields; ``model``: any
+    ``nn.Module`` whose classes a worker can import (the network is then ``manager.model``);
+    ``act_fn``: how workers act with it (see :class:`InferencePolicy`; None = the convention).
+    Every argument is checked before any process or shared memory exists, the model against the
+    env's spaces too: a one-line ValueError names the first that cannot work. Also a context
+    manager (stops on exit).
     """
 
     def __init__(self, env_config: WorkerSpec | dict, model_config: dict | None = None,
                  parallel_config: ManagerConfig | dict | None = None, *, model: nn.Module | None = None,
-                 epsilon: float = 1.0, logger: logging.Logger | None = None, act_fn: Callable | None = None):
+                 epsilon: float = 1.0, logger: logging.Logger | None = None, act_fn: Callable | None = None,
+                 env_factory: Callable | None = None):
         self.log = logger or log
         self._stopped, self._started = True, False  # nothing to stop until the shared memory exists
-        self.spec = env_config if isinstance(env_config, WorkerSpec) else WorkerSpec.from_dict(env_config)
+        if isinstance(env_config, WorkerSpec) and env_factory is not None:
+            raise ValueError(f"env_config: the WorkerSpec names env_id {env_config.env_id!r} and env_factory names "
+                             f"the env too; give one")
+        self.spec = (env_config if isinstance(env_config, WorkerSpec)
+                     else WorkerSpec.from_dict(env_config, env_factory))
         self.spec.validate()
         self.config = (parallel_config if isinstance(parallel_config, ManagerConfig)
                        else ManagerConfig.from_dict({} if parallel_config is None else parallel_config))
@@ -191,11 +214,16 @@ class ParallelManager:
         check_value("ParallelManager", "epsilon", epsilon, "float", 0)
         if epsilon > 1:
             raise ValueError(f"ParallelManager: epsilon {epsilon!r}: must be in [0, 1]")
-        self.model = model if model is not None else build_model(self.spec, model_config)
+        spaces = probe_env_spaces(self.spec)
+        self.observation_space, self.action_space = spaces.observation_space, spaces.action_space
+        self.action_mask = spaces.action_mask  # the env marks legal actions: episodes carry "masks"
+        self.model = model if model is not None else build_model(self.spec, model_config, spaces)
         if flat_size(self.model) == 0:
             raise ValueError(f"model: {type(self.model).__name__} has no parameters to send to the workers")
         self._shapes = parameter_shapes(self.model)
         model_bytes = pack_model(self.model, act_fn)  # the workers' copy; refuses what they could not rebuild
+        if act_fn is None:  # an act_fn reads the output its own way: the workers' first act checks it
+            check_model_fits(self.model, spaces)
         self.act_fn = act_fn
         self._arrays = SharedArrays()
         try:

@@ -223,11 +223,15 @@ def open_any_run(mode: Mode, argv: list[str] | None, exit_on_error: bool = True,
     return open_run(mode, cfg, env, run_dir, resume_path, state, budget)
 
 
-def train_in_process(mode: Mode, config: Any) -> dict:
+def train_in_process(mode: Mode, config: Any, env_factory: Callable | None = None) -> dict:
     """The Python entry point (``train(config)`` in every script): the same run as the command line.
 
     ``config`` is the script's ``Config`` (or, for a grouped script, a dict of its group
-    dataclasses); it goes through the same checks as a ``--config`` file. Returns what
+    dataclasses); it goes through the same checks as a ``--config`` file. ``env_factory``: the
+    user's env class or env-making function, trained without registering it: the run's
+    ``env_id`` becomes its ``"module:name"`` (:func:`common.envs.env_factory_id`; a lambda or
+    a closure is refused in one line), which every process registers on first use and
+    ``config.yaml``, checkpoints and ``--resume`` keep; ``env_kwargs`` reach it. Returns what
     ``summary.json`` holds, plus ``run_dir``. A bad config raises ValueError (nothing written),
     a directory locked by another run RuntimeError; a run that fails returns its summary with
     ``exit_code`` 1 and ``stop_reason`` saying why. Ctrl+C (KeyboardInterrupt in a notebook) stops
@@ -238,6 +242,10 @@ def train_in_process(mode: Mode, config: Any) -> dict:
     import tempfile
 
     budget = TimeBudget(started=time.time())
+    if env_factory is not None:
+        from common.envs import env_factory_id
+
+        config = _with_env_id(config, env_factory_id(env_factory))
     with tempfile.TemporaryDirectory(prefix="prl_config_") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(config_yaml(config_groups(config)))
@@ -249,6 +257,19 @@ def train_in_process(mode: Mode, config: Any) -> dict:
             raise RuntimeError(f"cannot start the run (exit status {exit_.code}); see the line above") from None
     execute(mode, run)
     return {**run.final_summary, "run_dir": str(run.run_dir)}
+
+
+def _with_env_id(config: Any, env_id: str) -> Any:
+    """A copy of ``config`` (a dataclass, or a grouped script's groups) with ``env_id`` set; the caller's stays."""
+    import copy
+
+    groups = config if isinstance(config, dict) else config_groups(config)
+    if isinstance(groups, dict):
+        config = FlatConfig({name: copy.deepcopy(group) for name, group in groups.items()})
+    else:
+        config = copy.deepcopy(config)
+    config.env_id = env_id
+    return config
 
 
 def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resume_path: Path | None,

@@ -138,8 +138,10 @@ class EnvInfo:
 
 def probe_env(env_id: str, env_kwargs: dict | None = None, actions: tuple[str, ...] = ("Discrete", "Box"),
               seed: int = 0) -> EnvInfo:
-    """Make and reset one env; refuse (ConfigError) an id that fails or spaces the mode cannot train."""
+    """Make and reset one env; refuse (ConfigError) an id that fails, spaces the mode cannot train, or an
+    action mask that is not one bool per action."""
     import gymnasium as gym
+    import numpy as np
 
     from common.envs import make_env
 
@@ -159,7 +161,12 @@ def probe_env(env_id: str, env_kwargs: dict | None = None, actions: tuple[str, .
                                             "which this mode needs")
     if not isinstance(obs_space, gym.spaces.Box):
         raise ConfigError("env_id", env_id, f"its observation space {obs_space} is not a Box, which this mode needs")
-    return EnvInfo(env_id, obs_space, act_space, "action_mask" in info, two_player, threshold)
+    mask = info.get("action_mask")
+    if mask is not None and (kind != "Discrete" or np.shape(mask) != (int(act_space.n),)):
+        need = f"({int(act_space.n)},), one bool per action" if kind == "Discrete" else "a Discrete action space"
+        raise ConfigError("env_id", env_id, f"its info['action_mask'] has shape {np.shape(mask)}; its action space "
+                                            f"{act_space} needs {need}")
+    return EnvInfo(env_id, obs_space, act_space, mask is not None, two_player, threshold)
 
 
 # ------------------------------------------------------------------------ resume

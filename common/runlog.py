@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -222,14 +223,35 @@ class Progress:
             self._bar.set_postfix_str(text, refresh=False)
         elif time.monotonic() - self._last_log >= self.interval_s:
             self._last_log = time.monotonic()
-            of_total = f"/{int(self.total)}" if self.total else ""
-            self.logger.info("%s %d%s  %s", self.unit, done, of_total, text)
+            self.logger.info("%s %s  %s", self.unit, of_budget(done, self.total) if self.total else int(done), text)
         self.done = done
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class RecentRate:
+    """How fast a count grew over about the last ``span_s`` seconds: steadier than one metrics row's
+    window, and current, unlike the mean since the start (the progress display's episodes per second)."""
+
+    def __init__(self, span_s: float, count: float = 0):
+        self.span_s = span_s
+        self.marks: deque[tuple[float, float]] = deque([(time.monotonic(), count)])
+
+    def update(self, count: float, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self.marks.append((now, count))
+        while len(self.marks) > 2 and now - self.marks[1][0] >= self.span_s:
+            self.marks.popleft()
+        then, count_then = self.marks[0]
+        return (count - count_then) / (now - then) if now > then else 0.0
+
+
+def of_budget(done: float, total: float) -> str:
+    """``45000/100000 (45.0%)``: how much of a budget is done."""
+    return f"{int(done)}/{int(total)} ({100 * done / total:.1f}%)"
 
 
 def _fmt(value: Any) -> str:

@@ -84,13 +84,23 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
+def cited_text(page: Path) -> str:
+    """What a page says of this project: docs/seeds.md's second column quotes the seeds' own names
+    (their test files among them), which are not this project's."""
+    text = page.read_text()
+    if page.name != "seeds.md":
+        return text
+    return "\n".join("|".join(line.split("|")[:2] + line.split("|")[3:]) if line.startswith("|") else line
+                     for line in text.splitlines())
+
+
 def test_every_test_the_docs_cite_exists():
     """A promise that names its test names one that is there (a file in tests/, or a test function)."""
     test_sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
     functions = set(re.findall(r"^def (test_\w+)", "\n".join(test_sources.values()), re.MULTILINE))
     missing = []
     for page in PAGES:
-        for name in sorted(set(re.findall(r"\btest_\w+(?:\.py)?", page.read_text()))):
+        for name in sorted(set(re.findall(r"\btest_\w+(?:\.py)?", cited_text(page)))):
             known = name in test_sources if name.endswith(".py") else name in functions
             if not known:
                 missing.append(f"{page.relative_to(ROOT)}: {name}")

@@ -136,10 +136,3 @@ def test_the_seeds_python_forms(tmp_path):
     assert out["population"]["exit_code"] == 0 and out["population"]["steps"] >= 512
     for name, summary in out.items():
         assert summary["run_dir"] == str(tmp_path / name) and (tmp_path / name / "summary.json").exists()
-
-
-def test_seed_002_learning_steps_per_batch_points_to_replay_ratio():
-    import parallel_train_dqn
-
-    with pytest.raises(TypeError, match="replay_ratio"):
-        parallel_train_dqn.train_dqn(learning_steps_per_batch=184)

@@ -1,4 +1,4 @@
-"""Opponents for self-play in the two-player built-ins (ConnectFour-v0), per game.
+"""Opponents for self-play in the two-player envs (ConnectFour-v0, Shogi-v0, PettingZoo's games), per game.
 
 A two-player built-in takes its opponent through ``env.set_opponent(player)``: any object with
 ``act(obs, action_mask, env_ids) -> actions`` that sees the board from its own side, and,
@@ -44,15 +44,26 @@ NOT_A_SNAPSHOT = -1  # the ``opponent`` of a game against the latest policy or a
 
 class MixturePlayer:
     """Draws one player per game from ``players`` with ``probs``, and plays it for that game;
-    ``labels`` (one number per player) name the player of a game (:meth:`game_labels`)."""
+    ``labels`` (one number per player) name the player of a game (:meth:`game_labels`); ``names`` the
+    fixed players by name (None for a policy), which a game with players of its own makes again
+    (:meth:`remake_fixed_players`)."""
 
     def __init__(self, players: list, probs: list[float], num_envs: int, rng: np.random.Generator,
-                 labels: list[float] | None = None):
+                 labels: list[float] | None = None, names: list[str | None] | None = None):
         self.players = players
+        self.names = list(names) if names is not None else [None] * len(players)
         self.probs = np.asarray(probs, dtype=np.float64) / np.sum(probs)
         self.labels = np.asarray(labels if labels is not None else [NOT_A_SNAPSHOT] * len(players), dtype=np.float64)
         self.rng = rng
         self.assigned = self.rng.choice(len(players), size=num_envs, p=self.probs)
+
+    def remake_fixed_players(self, make_player) -> None:
+        """The fixed players made again by ``make_player(name, seed)``: a game that is not ConnectFour-v0 plays
+        ``random`` and ``heuristic`` by its own rules (common/envs/pettingzoo_games.py and common/envs/shogi.py
+        call this when the mixture becomes their opponent)."""
+        for k, name in enumerate(self.names):
+            if name is not None:
+                self.players[k] = make_player(name, int(self.rng.integers(2**31 - 1)))
 
     def game_labels(self, env_ids: np.ndarray) -> np.ndarray:
         """The label of the player each of the games ``env_ids`` is against (read before they restart)."""
@@ -79,7 +90,7 @@ def opponent_mixture(payload: dict[str, Any], latest: Any, snapshots: list[Any],
     """
     check_training_opponents(payload.get("probs", {}))  # the search players judge training, never take part
     epsilon = float(payload.get("epsilon", 0.0))
-    players, probs, labels = [], [], []
+    players, probs, labels, names = [], [], [], []
     for name, prob in payload.get("probs", {}).items():
         if prob <= 0 or (name == "snapshot" and not snapshots):
             continue
@@ -91,9 +102,11 @@ def opponent_mixture(payload: dict[str, Any], latest: Any, snapshots: list[Any],
             players += [PolicyPlayer(policy, epsilon, rng) for policy in snapshots]
             probs += list(prob * weights / weights.sum())
             labels += list(ids)
+            names += [None] * len(snapshots)
             continue
         else:
             players.append(make_player(name, int(rng.integers(2**31 - 1))))
         probs.append(prob)
         labels.append(NOT_A_SNAPSHOT)
-    return MixturePlayer(players, probs, num_envs, rng, labels) if players else None
+        names.append(None if name == "latest" else name)
+    return MixturePlayer(players, probs, num_envs, rng, labels, names) if players else None

@@ -28,6 +28,12 @@ EXTRAS = [
      "file": "requirements-extras.txt", "enables": "Atari ids such as ALE/Pong-v5 (configs/atari_*.yaml)"},
     {"extra": "mujoco", "modules": ["mujoco"], "packages": ["mujoco"], "file": "requirements-extras.txt",
      "enables": "MuJoCo tasks such as HalfCheetah-v5 (configs/halfcheetah.yaml)"},
+    {"extra": "pettingzoo", "modules": ["pettingzoo"], "packages": ["pettingzoo"], "file": "requirements-extras.txt",
+     "enables": "PettingZoo's classic games: pettingzoo/tictactoe-v3, pettingzoo/connect_four-v3, pettingzoo/go-v5"},
+    {"extra": "cshogi", "modules": ["cshogi"], "packages": ["cshogi"], "file": "requirements-extras.txt",
+     "enables": "Shogi-v0 (configs/shogi_selfplay.yaml)"},
+    {"extra": "bitbully", "modules": ["bitbully"], "packages": ["bitbully"], "file": "requirements-extras.txt",
+     "enables": "python -m common.evaluate RUN --grade on ConnectFour-v0 (a perfect player)"},
 ]
 
 
