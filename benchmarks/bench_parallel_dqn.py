@@ -4,6 +4,7 @@
     python benchmarks/bench_parallel_dqn.py cartpole --seeds 1 2 3 4 5
     python benchmarks/bench_parallel_dqn.py connect-four --minutes 15 --seeds 1 2 3   # the defaults
     python benchmarks/bench_parallel_dqn.py connect-four --runs RUN... --search-depth 0 2   # + lookahead at evaluation
+    python benchmarks/bench_parallel_dqn.py connect-four --runs RUN... --grade          # + graded by a perfect player
 
 Each writes a Markdown table to benchmarks/results/parallel_dqn_<name>.md together with
 the machine's core count and load average, since timings on a shared machine move with
@@ -135,6 +136,11 @@ def bench_connect_four(opts) -> None:
     lines += connect_four_table(runs) + connect_four_curve(runs)
     if opts.search_depth:
         lines += connect_four_lookahead(runs, opts.search_depth, opts.games, opts.random_opening, opts.tag)
+    if opts.grade:  # the optimal-move and blunder rates by ply band, and games against the perfect player
+        from grade_selfplay import graded_section
+
+        lines += graded_section([(seed, out) for seed, out, _ in runs], opts.search_depth or [0], opts.grade, 50,
+                                opts.tag)
     suffix = ("_lookahead" if opts.search_depth else "") + (f"_opening{opts.random_opening}" if opts.random_opening
                                                             else "") + (f"_{opts.tag}" if opts.tag else "")
     write(f"parallel_dqn_connect_four_{opts.minutes:g}min{suffix}.md", lines)
@@ -356,6 +362,9 @@ def main() -> None:
     c4.add_argument("--random-opening", type=int, default=0, metavar="PLIES",
                     help="with --search-depth: open every scored game with this many random plies "
                          "(python -m common.evaluate --random-opening), in ..._opening<PLIES>.md")
+    c4.add_argument("--grade", type=int, nargs="?", const=30, default=0, metavar="POSITIONS",
+                    help="also grade each run by the perfect player (benchmarks/grade_selfplay.py): POSITIONS random "
+                         "positions per ply (default 30), 50 games from each seat, at each --search-depth")
     throughput = sub.add_parser("throughput", help="episodes/s with 1 and 2 workers; learner updates/s")
     throughput.add_argument("--seconds", type=float, default=10)
     throughput.add_argument("--games", type=int, default=16)

@@ -6,6 +6,7 @@
     python -m common.evaluate runs/train_ppo_multiprocess/... --member 3            # one agent of a population
     python -m common.evaluate CHECKPOINT --export policy.onnx                       # ONNX, checked against torch
     python -m common.evaluate runs/parallel_train_dqn/... --search-depth 2          # ConnectFour: 2-ply lookahead
+    python -m common.evaluate runs/parallel_train_dqn/... --grade                   # graded by a perfect player
 
 The env and the policy are rebuilt from what the run saved (the checkpoint's ``env`` and
 ``policy`` entries), so no other flag is needed. Episodes are played greedily (or through a
@@ -22,12 +23,17 @@ repeat a handful of games, meet in many positions; the report says so (``random_
 ``--search-depth N`` (default 0: greedy) plays every episode and game of the report through a
 depth-N lookahead over the run's Q-network instead, for a two-player built-in whose env module
 offers one (its ``LookaheadPlayer``; ConnectFour: a negamax with the rules' wins and draws and the
-network's values at the leaves); the report says the depth it played with (``search_depth``). The
+network's values at the leaves); the report says the depth it played with (``search_depth``).
+``--grade [N]`` (a game with a perfect player, common/grading.py: ConnectFour-v0, by BitBully from
+requirements-extras.txt) also grades the player of the report by it, on N random positions per ply
+(default 30; plies 0-30 for ConnectFour-v0) and in ``--episodes`` games against it from each seat
+(``graded``); it is a flag, not automatic, because solving the positions takes a minute or two. The
 report names the checkpoint it played, the script and step that wrote it and, for an agent of a
 population, its member number. Exit status: 0, or 2 with one line for a path that holds no usable
 checkpoint, an env that cannot be recorded (no rgb_array mode) or shown, a ``--search-depth`` above 0
 for an env without lookahead or a policy that is not a Q-network, a ``--random-opening`` the env does not
-offer, or flags that exclude each other.
+offer, a ``--grade`` for a game without a perfect player or without its solver installed, or flags that
+exclude each other.
 """
 
 from __future__ import annotations
@@ -239,6 +245,18 @@ def lookahead_player(policy, env_id: str, depth: int, seed: int):
     return player(q_values, depth, seed)
 
 
+def grading_perfect_play(env_id: str, positions: int):
+    """``--grade``'s perfect play of ``env_id`` (common/grading.py), or None without ``--grade``."""
+    if not positions:
+        return None
+    from common.grading import perfect_play
+
+    try:
+        return perfect_play(env_id)
+    except ValueError as err:  # no perfect player for this game, or its solver is not installed
+        raise EvaluationError(f"--grade: {err}") from None
+
+
 def opening_kwargs(env_id: str, plies: int) -> dict:
     """The env kwargs of ``--random-opening``: every game opens with ``plies`` uniformly random moves, for a
     two-player built-in whose env module says how many it allows (``MAX_RANDOM_OPENING``)."""
@@ -313,6 +331,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--random-opening", type=int, default=0, metavar="PLIES",
                         help="two-player built-ins: open every game with this many uniformly random moves, so that "
                              "deterministic players meet in many positions (default 0)")
+    parser.add_argument("--grade", type=int, nargs="?", const=30, default=0, metavar="POSITIONS",
+                        help="games with a perfect player (ConnectFour-v0): grade the policy by it on POSITIONS "
+                             "random positions per ply (default 30) and in --episodes games against it from each "
+                             "seat")
     parser.error = lambda message: _usage(message)
     args = parser.parse_args(argv)
     if args.episodes < 1:
@@ -321,6 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         _usage(f"--search-depth {args.search_depth}: must be >= 0 (0 = greedy)")
     if args.random_opening < 0:
         _usage(f"--random-opening {args.random_opening}: must be >= 0")
+    if args.grade < 0:
+        _usage(f"--grade {args.grade}: must be >= 1 positions per ply (0 = no grading)")
     if args.render and args.video:
         _usage("--render and --video exclude each other (a video is drawn off screen)")
     return args
@@ -341,12 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {}),
                       **opening_kwargs(env["id"], args.random_opening)}
         player = lookahead_player(policy, env["id"], args.search_depth, args.seed)
+        perfect = grading_perfect_play(env["id"], args.grade)  # before anything is played: a refusal comes first
         episodes, observations = play(player, env["id"], env_kwargs, args.episodes, args.seed,
                                       "human" if args.render else None, args.video)
     except EvaluationError as err:
         _usage(str(err))
     result = {"checkpoint": str(path), **about, **report(episodes, env["id"], env_kwargs, player, args.seed),
               "search_depth": args.search_depth, "random_opening": args.random_opening}
+    if perfect is not None:
+        from common.grading import grade
+
+        result["graded"] = grade(player.act, env["id"], env_kwargs, args.grade, args.episodes, args.seed, perfect)
     if args.video:
         result["videos"] = [str(p) for p in videos(args.video, env["id"])]
     if args.export:
@@ -365,7 +394,7 @@ def _text(result: dict) -> str:
              f"  return {result['mean_return']:.2f} ± {result['std_return']:.2f}, "
              f"mean length {result['mean_length']:.1f}"]
     skip = {"checkpoint", "member", "env_id", "episodes", "mean_return", "std_return", "mean_length", "videos",
-            "export", "opponents", "search_depth", "random_opening"}
+            "export", "opponents", "search_depth", "random_opening", "graded"}
     for key, value in result.items():
         if key not in skip:
             shown = f"{value:.3f}" if isinstance(value, float) and math.isfinite(value) else value
@@ -375,6 +404,10 @@ def _text(result: dict) -> str:
         for name, seats in result["opponents"].items():
             lines.append(f"  vs {name:<10}" + "  ".join(
                 f"{seat} {r['win']:4.0%} / {r['draw']:4.0%} / {r['loss']:4.0%}" for seat, r in seats.items()))
+    if "graded" in result:
+        from common.grading import text
+
+        lines += text(result["graded"])
     if "videos" in result:
         lines.append(f"  videos: {len(result['videos'])} file(s) in {Path(result['videos'][0]).parent}"
                      if result["videos"] else "  videos: none written")

@@ -150,3 +150,10 @@ def lines_lost(act: Callable[[np.ndarray, np.ndarray], np.ndarray], moves_first:
 def completing_lines(boards: np.ndarray, piece: int) -> np.ndarray:
     """``(n,)`` bool: whether ``piece`` has three in a line on each of ``(n, 9)`` boards."""
     return (((boards == piece).astype(np.int64) @ LINE_MATRIX) == 3).any(axis=1)
+
+
+def perfect_play():
+    """Tic-tac-toe's perfect player for :mod:`common.grading`: minimax's exact move values."""
+    from common.grading import PerfectPlay
+
+    return PerfectPlay("minimax", move_values, ((0, 2), (3, 5), (6, 8)))
