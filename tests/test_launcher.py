@@ -311,7 +311,7 @@ def test_every_extra_is_listed_where_its_install_hint_says():
                   if line.strip() and not line.startswith("#")}
         assert set(extra["packages"]) <= listed, (extra["extra"], extra["file"])
     optional = {extra["extra"] for extra in EXTRAS if extra["file"] == "requirements-extras.txt"}
-    assert optional == {"onnx", "moviepy", "ale-py", "mujoco"}
+    assert optional == {"onnx", "moviepy", "ale-py", "mujoco", "pettingzoo", "cshogi", "bitbully"}
 
 
 def test_missing_extra_says_what_it_enables_and_how_to_install(monkeypatch, capsys):
