@@ -86,6 +86,20 @@ class Normalizer:
         normalized = (obs - self.obs.mean) / np.sqrt(self.obs.var + EPSILON)
         return np.clip(normalized, -self.clip_obs, self.clip_obs).astype(np.float32)
 
+    def observations_now(self) -> Callable[[np.ndarray], np.ndarray]:
+        """:meth:`observations` with the statistics as they are now, for a rollout, during which they hold
+        still: the same numbers with half the numpy calls (the scale is computed once, the rest in place)."""
+        if not self.norm_obs:
+            return lambda obs: obs
+        mean, scale, clip = self.obs.mean, np.sqrt(self.obs.var + EPSILON), self.clip_obs
+
+        def normalized(obs: np.ndarray) -> np.ndarray:
+            out = np.subtract(obs, mean)
+            np.divide(out, scale, out=out)
+            return np.minimum(np.maximum(out, -clip, out=out), clip, out=out).astype(np.float32)  # np.clip, sooner
+
+        return normalized
+
     def rewards(self, rewards: np.ndarray) -> np.ndarray:
         """Rewards as the learner learns from them: divided by the discounted return's standard deviation."""
         if not self.norm_reward:

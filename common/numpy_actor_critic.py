@@ -87,8 +87,10 @@ def forward(x: np.ndarray, layers, tanh: bool) -> list[np.ndarray]:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """The log-probabilities of a categorical over ``logits`` (one row per sample)."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    # np.maximum.reduce and np.add.reduce are .max and .sum without their wrappers' microseconds
+    shifted = logits - np.maximum.reduce(logits, axis=1, keepdims=True)
+    total = np.add.reduce(np.exp(shifted), axis=1, keepdims=True)
+    return np.subtract(shifted, np.log(total, out=total), out=shifted)
 
 
 def gaussian_log_prob(z: np.ndarray, log_std: np.ndarray, log_sqrt_2pi: float = LOG_SQRT_2PI) -> np.ndarray:
@@ -198,15 +200,29 @@ class NumpyActing:
     this collector's own generator; the learner recomputes log-probabilities (common.ppo, common.numpy_ppo).
     ``params`` returns the current flat parameter vector (``networks.write_flat_params``'s
     layout: shared memory a learner publishes to, or a learner's own vector).
+
+    At a few envs a step's cost is numpy's per-call overhead, not arithmetic, so :meth:`act` makes
+    fewer calls for the same numbers (docs/performance.md, "Collection against the env's own rate"): the
+    two heads' hidden layers run as one stacked matmul each (numpy runs each head's product with the
+    same BLAS call as alone: bit for bit the same), and the noise is drawn ``NOISE_ROWS`` rows at a time
+    (the generator yields the same stream in one call as in many), with a Gaussian's log-probabilities
+    computed for the whole block at once.
     """
+
+    NOISE_ROWS = 1024  # rows (one per env and step) of noise drawn at once
 
     def __init__(self, observation_space, action_space, hidden, activation: str,
                  params: Callable[[], np.ndarray], seed: int):
         self.shapes = actor_critic_shapes(observation_space, action_space, tuple(hidden))
         self.size = parameter_count(self.shapes)
         self.discrete = hasattr(action_space, "n")
+        self.width = int(action_space.n) if self.discrete else int(np.prod(action_space.shape))
         self.tanh = activation == "tanh"
         self.params, self.rng = params, np.random.default_rng(seed)
+        self.noise = np.empty((0, self.width), dtype=np.float64 if self.discrete else np.float32)
+        self.noise_logprob = np.empty(0, dtype=np.float32)  # a Gaussian's log-probability of each noise row
+        self.noise_next = 0
+        self.rows: dict[int, np.ndarray] = {}  # np.arange(n) by n, to pick each row's log-probability
         self.refresh()
 
     def refresh(self) -> None:
@@ -216,25 +232,64 @@ class NumpyActing:
             raise ValueError(f"{flat.size} parameters where the MLP policy has {self.size}")
         log_std, critic, actor = split_heads(split_flat(flat, self.shapes), self.discrete)
         self.log_std = None if log_std is None else log_std[0].copy()
+        self.std = None if log_std is None else np.exp(self.log_std)
         # Weights copied column-major: ``x @ weight.T`` then multiplies two contiguous matrices, no transposed
         # operand for BLAS (the learner's views are row-major; the layout changes the rounding, not the math).
         self.critic = [(np.array(weight, order="F"), bias.copy()) for weight, bias in critic]
         self.actor = [(np.array(weight, order="F"), bias.copy()) for weight, bias in actor]
+        # The hidden layers of both heads stacked, critic first: [2, in, out] (each the contiguous ``weight.T``) and
+        # [2, 1, out]. The heads' output layers differ in width and stay apart.
+        self.stacked = [(np.stack([c[0].T, a[0].T]), np.stack([c[1], a[1]])[:, None, :])
+                        for c, a in zip(self.critic[:-1], self.actor[:-1])]
+        if not self.discrete and len(self.noise):
+            self.noise_logprob = self._gaussian_log_prob(self.noise)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         return forward(_flat(obs), self.critic, self.tanh)[-1][:, 0]
 
+    def heads(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The forward pass: the action head's output (logits or means) and the value of each observation."""
+        hidden = _flat(obs)
+        for weight, bias in self.stacked:  # [n, in] then [2, n, in] @ [2, in, out]
+            z = np.matmul(hidden, weight)
+            z += bias
+            hidden = np.tanh(z, out=z) if self.tanh else np.maximum(z, 0.0, out=z)
+        (critic_weight, critic_bias), (actor_weight, actor_bias) = self.critic[-1], self.actor[-1]
+        if self.stacked:
+            value = (hidden[0] @ critic_weight.T + critic_bias)[:, 0]
+            out = hidden[1] @ actor_weight.T + actor_bias
+        else:
+            value, out = (hidden @ critic_weight.T + critic_bias)[:, 0], hidden @ actor_weight.T + actor_bias
+        return out, value
+
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x = _flat(obs)
-        out, value = forward(x, self.actor, self.tanh)[-1], forward(x, self.critic, self.tanh)[-1][:, 0]
+        out, value = self.heads(obs)
+        n = len(out)
+        rows = self._take_noise(n)
         if self.log_std is None:
             log_probs = log_softmax(out)
-            action = (log_probs + self.rng.gumbel(size=log_probs.shape)).argmax(axis=1)
-            return action, log_probs[np.arange(len(action)), action].astype(np.float32), value
-        noise = self.rng.standard_normal(out.shape).astype(np.float32)
-        action = out + noise * np.exp(self.log_std)
-        logprob = gaussian_log_prob(noise, self.log_std, np.float64(LOG_SQRT_2PI)).astype(np.float32)
-        return action.astype(np.float32), logprob, value
+            action = (log_probs + self.noise[rows]).argmax(axis=1)
+            index = self.rows.get(n)
+            if index is None:
+                index = self.rows[n] = np.arange(n)
+            return action, log_probs[index, action], value
+        action = out + self.noise[rows] * self.std
+        return action, self.noise_logprob[rows], value
+
+    def _take_noise(self, n: int) -> slice:
+        """The next ``n`` rows of noise (Gumbel for a categorical, standard normal for a Gaussian), drawn ahead."""
+        if self.noise_next + n > len(self.noise):
+            size = (max(self.NOISE_ROWS, n), self.width)
+            fresh = self.rng.gumbel(size=size) if self.discrete else self.rng.standard_normal(size).astype(np.float32)
+            self.noise = np.concatenate([self.noise[self.noise_next:], fresh])
+            self.noise_next = 0
+            if not self.discrete:
+                self.noise_logprob = self._gaussian_log_prob(self.noise)
+        self.noise_next += n
+        return slice(self.noise_next - n, self.noise_next)
+
+    def _gaussian_log_prob(self, noise: np.ndarray) -> np.ndarray:
+        return gaussian_log_prob(noise, self.log_std, np.float64(LOG_SQRT_2PI)).astype(np.float32)
 
 
 def _flat(obs: np.ndarray) -> np.ndarray:

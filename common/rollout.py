@@ -112,8 +112,12 @@ class RolloutCollector:
 
     def collect(self, n_steps: int) -> list[dict]:
         """One rollout of ``n_steps`` steps per env with the policy's current parameters; the episodes that finished."""
-        buf, cols, acting, seen, published = self.buf, self.cols, self.acting, self.normalizer.observations, \
-            self.published
+        acting, published, num_envs = self.acting, self.published, self.envs.num_envs
+        # The statistics hold still for a rollout (the learner publishes new ones between rollouts), and so
+        # do this collector's columns of the rollout: both are looked up once, not at every step.
+        self.seen = seen = self.normalizer.observations_now()
+        self.columns = columns = {key: array[:, self.cols] for key, array in self.buf.items() if key != "next_values"}
+        obs, actions, logprobs, values = columns["obs"], columns["actions"], columns["logprobs"], columns["values"]
         acting.refresh()
         self.steps_by_version = Counter()
         episodes = []
@@ -121,30 +125,30 @@ class RolloutCollector:
             if published is not None:
                 if published.newer():
                     acting.refresh()
-                self.steps_by_version[published.version] += self.envs.num_envs
+                self.steps_by_version[published.version] += num_envs
             action, logprob, value = acting.act(seen(self.next_obs))
-            buf["obs"][step, cols] = self.next_obs
-            buf["actions"][step, cols] = action
-            buf["logprobs"][step, cols] = logprob
-            buf["values"][step, cols] = value
+            obs[step] = self.next_obs
+            actions[step] = action
+            logprobs[step] = logprob
+            values[step] = value
             result = self.envs.step(action if self.low is None else np.clip(action, self.low, self.high))
             self.record(step, result)
-            episodes.extend(result.episodes)
-        buf["next_values"][cols] = acting.value(seen(self.next_obs))
+            if result.episodes:
+                episodes.extend(result.episodes)
+        self.buf["next_values"][self.cols] = acting.value(seen(self.next_obs))
         return episodes
 
     def record(self, step: int, result) -> None:
-        buf, cols = self.buf, self.cols
-        buf["rewards"][step, cols] = result.rewards
-        buf["terminations"][step, cols] = result.terminations
-        buf["truncations"][step, cols] = result.truncations
-        self.returns = self.returns * self.normalizer.gamma + result.rewards
-        buf["disc_returns"][step, cols] = self.returns
-        done = result.terminations | result.truncations
-        self.returns[done] = 0.0
-        if result.truncations.any():
+        columns, returns = self.columns, self.returns
+        columns["rewards"][step] = result.rewards
+        columns["terminations"][step] = result.terminations
+        columns["truncations"][step] = result.truncations
+        np.multiply(returns, self.normalizer.gamma, out=returns)
+        returns += result.rewards
+        columns["disc_returns"][step] = returns
+        returns[result.terminations | result.truncations] = 0.0
+        if np.count_nonzero(result.truncations):  # .any() costs microseconds more, at every step
             # A time limit is not the end of the task: bootstrap from the final observation.
-            final_values = self.acting.value(self.normalizer.observations(result.final_obs))
-            buf["final_values"][step, cols] = np.where(result.truncations, final_values, 0.0)
+            final_values = self.acting.value(self.seen(result.final_obs))
+            columns["final_values"][step] = np.where(result.truncations, final_values, 0.0)
         self.next_obs = result.obs
-
