@@ -18,4 +18,4 @@ compare: | runs/seq_1h runs/par_1h
 
 # The README's test command: install into .venv, then the whole suite on 2 cores (what CI runs)
 test:
-	python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt -r requirements-extras.txt -r requirements-test.txt -c constraints.txt && .venv/bin/python -m pytest -q -n 2
+	python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt -r requirements-extras.txt -r requirements-tracking.txt -r requirements-test.txt -c constraints.txt && .venv/bin/python -m pytest -q -n 2

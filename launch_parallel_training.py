@@ -8,6 +8,7 @@
     python launch_parallel_training.py --assume-facts configs/machines/workstation_128core_1gpu.json --check-only
     python launch_parallel_training.py --tune [--run]      # measure worker counts instead of guessing
     python launch_parallel_training.py --nnodes 2          # print the torchrun command of every node and a SLURM script
+    python launch_parallel_training.py --search configs/search_lunarlander.yaml   # an Optuna study over config fields
 
 Every machine fact (cores, RAM, /dev/shm, GPUs, open-files limit) comes from
 ``common.system.machine()``; ``--assume-facts FILE.json`` replaces some of them, for the launcher
@@ -36,6 +37,7 @@ from common.launcher.modes import MODES
 from common.launcher.multinode import JOIN_TIMEOUT_S, MAX_RESTARTS, RDZV_PORT, build_multinode, check_multinode_usage
 from common.launcher.plan import refusal
 from common.launcher.report import build_report, print_multinode, print_report
+from common.launcher.search import search_main
 from common.launcher.tune import tune
 
 EXIT_MISSING = 1
@@ -72,6 +74,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     nodes.add_argument("--join-timeout", type=int, default=JOIN_TIMEOUT_S, metavar="SECONDS",
                        help=f"how long the rendezvous waits for every node ({JOIN_TIMEOUT_S})")
     nodes.add_argument("--slurm-script", metavar="FILE", help="also write the SLURM batch script to FILE")
+    search = parser.add_argument_group("hyperparameter search (docs/search.md; needs requirements-tracking.txt)")
+    search.add_argument("--search", metavar="FILE.yaml",
+                        help="run an Optuna study over the script's config fields the file names; again: continue it")
+    search.add_argument("--trials", type=int, help="trials in the study (the file's trials)")
+    search.add_argument("--seeds", type=int, metavar="K", help="score each trial over K seeds (the file's seeds)")
+    search.add_argument("--trials-at-once", type=int, metavar="N", help="instead of the plan's sizing")
+    search.add_argument("--storage", metavar="URL",
+                        help="the study's database: sqlite:///PATH, another RDB URL, or journal:PATH")
+    search.add_argument("--search-hours", type=float, metavar="H", help="stop the search after H hours")
+    search.add_argument("--search-dir", metavar="DIR", help="the trials' run directories (default runs/search/NAME)")
 
     def error(message: str):
         raise UsageError(message)
@@ -89,6 +101,20 @@ def check_usage(opts: argparse.Namespace) -> None:
     if opts.mode is not None and opts.mode not in MODES:
         raise UsageError(f"--mode {opts.mode!r}: must be one of {', '.join(MODES)}")
     check_multinode_usage(opts)
+    search_flags = [flag for flag, value in (("--trials", opts.trials), ("--seeds", opts.seeds),
+                                             ("--trials-at-once", opts.trials_at_once), ("--storage", opts.storage),
+                                             ("--search-hours", opts.search_hours),
+                                             ("--search-dir", opts.search_dir)) if value is not None]
+    if search_flags and not opts.search:
+        raise UsageError(f"{search_flags[0]} needs --search FILE.yaml")
+    if opts.search:
+        clashing = [flag for flag, value in (("--check-only", opts.check_only), ("--json", opts.json),
+                                             ("--mode", opts.mode), ("--episodes", opts.episodes),
+                                             ("--duration", opts.duration), ("--tune", opts.tune),
+                                             ("--nnodes", opts.nnodes)) if value]
+        if clashing:
+            raise UsageError(f"--search runs its own trials (the script and budgets are in its file); "
+                             f"{clashing[0]} does not apply")
     if opts.tune and (opts.assume_facts or os.environ.get(system.ASSUME_ENV)):
         raise UsageError("--tune measures this machine; it cannot run with assumed facts")
 
@@ -119,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 def launch(opts: argparse.Namespace, passthrough: list[str]) -> int:
     """Report, print the commands of a multi-node job, or run the selected mode's plan (``os.execv``)."""
     check_usage(opts)
+    if opts.search:
+        overrides = {"trials": opts.trials, "seeds": opts.seeds, "trials_at_once": opts.trials_at_once,
+                     "storage": opts.storage, "search_hours": opts.search_hours, "output_dir": opts.search_dir}
+        return search_main(opts.search, overrides, passthrough, load_machine(opts), opts.dry_run)
     report = build_report(load_machine(opts), opts.mode, flag_value(passthrough, "--env-id"))
     if report["recommendation"] is None:  # the scripts import a missing package: nothing can be planned
         return missing_packages(report, opts)

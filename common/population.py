@@ -391,7 +391,7 @@ class Population:
         run.write_metrics({"worker": index, "worker_step": report["step"], "worker_sps": report["sps"],
                            "worker_cpu_sps": report["cpu_sps"], "learning_rate": report["learning_rate"],
                            **report["stats"], "workers_running": running},
-                          {"running": f"{running}/{len(self.status)}"})
+                          {"running": f"{running}/{len(self.status)}"}, member=(index, report["step"]))
 
     def log_status(self) -> None:
         """Every log_interval_s in which some worker reported, one line per worker in main.log."""

@@ -61,6 +61,7 @@ from common.run_setup import (  # noqa: F401  (RunConfig ... config_dict: what t
 )
 from common.runlog import EXIT_LOCKED, RunLock, default_run_dir, setup_logging, write_summary
 from common.supervisor import WorkerConfigError, WorkerFailed
+from common.tracking import check_tracking
 from common.training_run import RECENT, Run, TimeBudget, TrainingDiverged  # noqa: F401  (RECENT: as above)
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -111,6 +112,8 @@ def prepare(mode: Mode, argv: list[str] | None,
     """Steps 1 and the checks of step 2: everything that may exit 2 before anything is written."""
     parsed, actions = parse_args(mode.config, argv, mode.description, exit_on_error)
     cfg = FlatConfig(parsed) if isinstance(parsed, dict) else parsed
+    if not (mode.distributed and torchrun_rank() > 0):  # rank 0 alone logs to the tracker
+        check_tracking(getattr(cfg, "track", None))
     env = mode.probe(cfg) if mode.probe else probe_env(cfg.env_id, env_kwargs_of(mode, cfg), mode.actions, cfg.seed)
     if mode.check is not None:
         mode.check(cfg, env)
@@ -377,6 +380,8 @@ def finish(run: Run, trainer: Any, exit_code: int, reason: str, save: bool) -> i
     if run.is_main:
         write_summary(run.run_dir, summary)
         _plot(run, trainer)
+        if run.metrics.tracker is not None:  # --track: the summary, plots and checkpoint, then the tracked run ends
+            run.metrics.tracker.end(exit_code)
     budget = summary["time_budget"]
     log.info("summary: %d steps in %.1f s (%s steps/s), final mean return %s, best %s; process %.1f s: %s -> %s",
              summary["global_step"], summary["wall_time_s"], summary["sps"], summary["final_mean_return"],

@@ -31,6 +31,7 @@ class RunConfig:
     max_worker_restarts: int | None = 3  # restarts per worker before the run gives up (exit 1); None = no limit
     worker_timeout_s: float = 120.0  # a worker not started, or silent, this long is killed and restarted
     env_kwargs: list[str] = field(default_factory=list)  # KEY=VALUE keyword arguments for gymnasium.make
+    track: str | None = None  # also log the run to mlflow or wandb (pip install -r requirements-tracking.txt)
 
     MIN_WORKERS = 1  # the fewest worker processes the mode can run with (0: in-process)
 
@@ -59,6 +60,10 @@ class RunConfig:
 
             resolve_device(self.device)
         parse_env_kwargs(self.env_kwargs)
+        from common.tracking import TRACKERS
+
+        require(self.track is None or self.track in TRACKERS, "track", self.track,
+                f"must be {' or '.join(TRACKERS)} or none")
 
 
 def parse_env_kwargs(pairs: list[str]) -> dict[str, Any]:

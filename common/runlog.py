@@ -98,7 +98,8 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path, extra_columns: list[str], tensorboard: bool = True,
-                 filename: str = "metrics.csv", tb_subdir: str = "tb"):
+                 filename: str = "metrics.csv", tb_subdir: str = "tb", tracker: Any = None):
+        self.tracker = tracker  # --track: every row to MLflow or W&B too (common.tracking.Tracker)
         self.columns = CORE_COLUMNS + [c for c in extra_columns if c not in CORE_COLUMNS]
         self.path = Path(run_dir) / filename
         new_file = not self.path.exists() or self.path.stat().st_size == 0
@@ -122,7 +123,8 @@ class MetricsWriter:
             self._tb = ScalarBoard(self._tb_dir)
         return self._tb
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any], member: tuple[int, int] | None = None) -> None:
+        """One row; ``member``: (index, its own step) of the population member the row is about."""
         clean = {k: _csv_value(v) for k, v in row.items()}
         self._csv.writerow(clean)
         self._file.flush()
@@ -133,6 +135,8 @@ class MetricsWriter:
                 tag = TB_TAGS.get(key, f"prl/{key}")
                 if tag and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     board.add_scalar(tag, value, step)
+        if self.tracker is not None:
+            self.tracker.log_row(row, member)
 
     def episode(self, global_step: int, episodic_return: float, episodic_length: int) -> None:
         """One finished episode, in TensorBoard (metrics.csv has their mean per row)."""
@@ -147,6 +151,8 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._tb, self._tb_dir = None, None
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 class ScalarBoard:

@@ -166,7 +166,12 @@ class Run:
         self.metrics = self.progress = None
         if self.is_main:
             columns = ["return_mean100", *metrics_columns, "worker_restarts", "cpu_percent", "rss_mb", "pss_mb"]
-            self.metrics = MetricsWriter(run_dir, columns, tensorboard=cfg.tensorboard)
+            tracker = None
+            if getattr(cfg, "track", None):  # the library is imported by the tracker, and only with --track
+                from common.tracking import Tracker
+
+                tracker = Tracker(cfg.track, script, run_dir, config_dict(cfg), resume_path, self.log)
+            self.metrics = MetricsWriter(run_dir, columns, tensorboard=cfg.tensorboard, tracker=tracker)
             total = getattr(cfg, "total_timesteps", None)
             self.progress = Progress(total, "steps", self.log, cfg.log_interval_s, initial=self.counters["global_step"])
 
@@ -223,8 +228,10 @@ class Run:
         if math.isfinite(mean) and (best is None or mean > best):
             self.counters["best_mean_return"] = mean
 
-    def write_metrics(self, row: dict[str, Any], progress: dict[str, Any] | None = None) -> None:
-        """One row of ``metrics.csv``: the core columns from the counters, then ``row``."""
+    def write_metrics(self, row: dict[str, Any], progress: dict[str, Any] | None = None,
+                      member: tuple[int, int] | None = None) -> None:
+        """One row of ``metrics.csv``: the core columns from the counters, then ``row``; ``member``: (index, its
+        own step) of the population member the row is about (--track logs it to that member's run too)."""
         if not self.is_main:
             return
         with self.budget.part("log"):
@@ -238,7 +245,7 @@ class Run:
                     "sps": (steps - steps_then) / max(now - since, 1e-9), "return_mean100": self.mean_return()}
             usage = {"worker_restarts": self.worker_restarts, "cpu_percent": resources.cpu_percent,
                      "rss_mb": resources.rss_bytes / 2**20, "pss_mb": resources.pss_bytes / 2**20}
-            self.metrics.write({**core, **row, **usage})
+            self.metrics.write({**core, **row, **usage}, member)
             self._window, self._window_start = [], (now, steps)
             shown = {"return100": core["return_mean100"], "sps": round(core["sps"]), **(progress or {})}
             self.progress.update(steps, shown)

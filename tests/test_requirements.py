@@ -23,7 +23,7 @@ def entries(name: str) -> dict[str, str]:
 
 def test_every_pin_lies_inside_its_range_and_every_range_is_pinned():
     pins = entries("constraints.txt")
-    for name in ("requirements.txt", "requirements-extras.txt", "requirements-test.txt"):
+    for name in ("requirements.txt", "requirements-extras.txt", "requirements-test.txt", "requirements-tracking.txt"):
         for package, spec in entries(name).items():
             assert spec and not spec.startswith("=="), f"{name}: {package} is pinned, not a range"
             assert package in pins, f"{package} has no exact version in constraints.txt"

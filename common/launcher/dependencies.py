@@ -34,6 +34,10 @@ EXTRAS = [
      "enables": "Shogi-v0 (configs/shogi_selfplay.yaml)"},
     {"extra": "bitbully", "modules": ["bitbully"], "packages": ["bitbully"], "file": "requirements-extras.txt",
      "enables": "python -m common.evaluate RUN --grade on ConnectFour-v0 (a perfect player)"},
+    {"extra": "mlflow", "modules": ["mlflow", "sqlalchemy"], "packages": ["mlflow-skinny", "sqlalchemy"],
+     "file": "requirements-tracking.txt", "enables": "--track mlflow in every training script (docs/tracking.md)"},
+    {"extra": "wandb", "modules": ["wandb"], "packages": ["wandb"], "file": "requirements-tracking.txt",
+     "enables": "--track wandb in every training script (docs/tracking.md)"},
 ]
 
 

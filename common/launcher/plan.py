@@ -275,6 +275,34 @@ def plan_population(m: system.Machine) -> Plan:
     return plan
 
 
+# --------------------------------------------------------------------------- runs side by side (--search)
+
+def cores_per_run(name: str, workers: int, overlapped: bool = False) -> int:
+    """The cores one run of mode ``name`` with ``workers`` workers keeps busy, as the plans above count them: the
+    timed mode's lockstep workers one per core, its learner updating while they wait (and on a core of its own when
+    ``overlapped``, its async training); the other modes' learner (the population's coordinator) beside its workers,
+    on a core of its own."""
+    return max(1, workers) + (1 if overlapped or name != "timed" else 0)
+
+
+def runs_at_once(m: system.Machine, cores: int, run_bytes: int, shm_bytes: int = 0) -> tuple[int, list[str]]:
+    """How many runs of ``cores`` cores and ``run_bytes`` of RAM (``shm_bytes`` of it in /dev/shm) fit on ``m`` side
+    by side, at least one, by the shares the plans keep; and what bounded them."""
+    limits = {"cores": m.usable_cores // max(1, cores),
+              "RAM": int(RAM_SHARE * m.ram_available // max(1, run_bytes))}
+    if shm_bytes:
+        limits["/dev/shm"] = int(SHM_SHARE * m.shm_free // shm_bytes)
+    count = max(1, min(limits.values()))
+    bound = [f"{name} ({m.usable_cores} usable, {cores} per run)" if name == "cores" else name
+             for name, limit in limits.items() if limit == min(limits.values())]
+    return count, bound
+
+
+def run_bytes(workers: int, buffers: dict[str, int], cuda: bool = False) -> int:
+    """RAM of one run: its main process (with a CUDA context where it learns on a GPU), its workers, its buffers."""
+    return MAIN_RSS + (CUDA_HOST_RSS if cuda else 0) + workers * WORKER_RSS + sum(buffers.values())
+
+
 # --------------------------------------------------------------------------- the recommendation
 
 PLANNERS = {"timed": plan_timed, "dqn": plan_dqn, "ultra": plan_ultra, "ppo-multiprocess": plan_population}
