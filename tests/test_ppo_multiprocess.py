@@ -435,7 +435,7 @@ class StubRun:
     def record_episodes(self, episodes):
         pass
 
-    def write_metrics(self, row, shown):
+    def write_metrics(self, row, shown, member=None):
         pass
 
 

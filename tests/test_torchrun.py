@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,11 @@ def rendezvous(launcher: list[str], port: int, host: bool) -> tuple[subprocess.C
 
 
 @pytest.mark.timeout(120)
+def serving(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_nobody_answers_the_rendezvous_one_line_and_a_bounded_wait_and_ctrl_c_there_is_130():
     wrapper = [sys.executable, "-m", "common.torchrun"]
     # A node whose endpoint nobody serves (node 0 never started).
@@ -65,12 +71,13 @@ def test_nobody_answers_the_rendezvous_one_line_and_a_bounded_wait_and_ctrl_c_th
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert len(lines) == 1 and "not every node joined within join_timeout" in lines[0], lines
     # Ctrl+C while node 0 still waits for the others: 130 and one line, not a KeyboardInterrupt's traceback.
+    port = free_port()
     command = [*wrapper, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{free_port()}", "--rdzv-id", "nobody", "--rdzv-conf", "is_host=1,join_timeout=60",
+               f"127.0.0.1:{port}", "--rdzv-id", "nobody", "--rdzv-conf", "is_host=1,join_timeout=60",
                *SCRIPT_ARGS]
     waiting = subprocess.Popen(command, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
-    time.sleep(4)
+    assert wait_until(lambda: serving(port), 60)  # node 0's store is up: it waits at the rendezvous
     os.killpg(waiting.pid, signal.SIGINT)
     output = waiting.communicate(timeout=30)[0]
     assert waiting.returncode == 130
@@ -177,13 +184,15 @@ def test_sigterm_on_node_0_gives_143_from_both(tmp_path):
     assert summary(run_dir)["exit_code"] == 143
 
 
-KILLED = {  # the mode, its tiny run, what says node 1's rank is at work; rank 0 ends by itself after the kill
-    "dqn": ("parallel_train_dqn.py", [*DQN_CARTPOLE, "--total-timesteps", "10000"],
+# The mode, its tiny run, what says node 1's rank is at work; rank 0 ends by itself after the kill. The budgets
+# are large enough that rank 0 has not finished when node 1 first is at work, on a quiet machine too.
+KILLED = {
+    "dqn": ("parallel_train_dqn.py", [*DQN_CARTPOLE, "--total-timesteps", "30000"],
             lambda nodes, run_dir: "its first" in nodes.log(0)),
-    "ultra": ("ultra_parallel_train_dqn.py", [*ULTRA_CARTPOLE, "--total-timesteps", "10000"],
+    "ultra": ("ultra_parallel_train_dqn.py", [*ULTRA_CARTPOLE, "--total-timesteps", "30000"],
               lambda nodes, run_dir: rank_1_steps(rows(run_dir)) > 0),
     # Synchronous PBT rounds keep worker 0 within a round of worker 1, so rank 0 is at work when node 1 dies.
-    "population": ("train_ppo_multiprocess.py", [*POPULATION_CARTPOLE, "--max-steps-per-worker", "10240",
+    "population": ("train_ppo_multiprocess.py", [*POPULATION_CARTPOLE, "--max-steps-per-worker", "20480",
                                                  "--pbt-interval", "2048"],
                    lambda nodes, run_dir: worker_rows(run_dir, 1)),
 }

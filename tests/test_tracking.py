@@ -405,8 +405,8 @@ def test_the_tracked_run_ends_with_the_runs_exit_status(monkeypatch, tmp_path):
 
 def test_the_cost_per_row_is_measured_for_each_tracker(tmp_path):
     env = {k: v for k, v in script_env().items() if not k.startswith(("MLFLOW_", "WANDB_"))}
-    result = subprocess.run([sys.executable, "-m", "common.tracking", "--rows", "40", "--block", "10"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_tracking.py"), "--rows", "40", "--block",
+                             "10"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     cost = json.loads(result.stdout.splitlines()[-1])
     assert set(cost) == {"none", "mlflow", "wandb"} and all(c["loop_us"] > 0 for c in cost.values())
