@@ -303,9 +303,12 @@ def rank_0_opened(dist: SingleProcess | TorchDistributed, refused: BaseException
     elif refused is not None:
         status, reason = 2, str(refused)
     status, reason = dist.broadcast_object((status, reason))
-    if status is not None and not dist.is_main:
+    if status is not None:
+        # Every rank leaves its process group before it exits: a group still up at exit can end the process
+        # in std::terminate (exit -6, a failure to torchrun) instead of the status it exits with.
         dist.close(abort=True)
-        raise StartRefused(f"rank 0 cannot start: {reason}", status)
+        if not dist.is_main:
+            raise StartRefused(f"rank 0 cannot start: {reason}", status)
 
 
 def log_to_stderr(rank: int) -> None:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,12 +52,7 @@ def rendezvous(launcher: list[str], port: int, host: bool) -> tuple[subprocess.C
 
 
 @pytest.mark.timeout(120)
-def serving(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def test_nobody_answers_the_rendezvous_one_line_and_a_bounded_wait_and_ctrl_c_there_is_130():
+def test_nobody_answers_the_rendezvous_one_line_and_a_bounded_wait():
     wrapper = [sys.executable, "-m", "common.torchrun"]
     # A node whose endpoint nobody serves (node 0 never started).
     result, seconds = rendezvous(wrapper, free_port(), host=False)
@@ -70,18 +64,6 @@ def test_nobody_answers_the_rendezvous_one_line_and_a_bounded_wait_and_ctrl_c_th
     assert result.returncode == 1 and seconds < 40
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert len(lines) == 1 and "not every node joined within join_timeout" in lines[0], lines
-    # Ctrl+C while node 0 still waits for the others: 130 and one line, not a KeyboardInterrupt's traceback.
-    port = free_port()
-    command = [*wrapper, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--rdzv-id", "nobody", "--rdzv-conf", "is_host=1,join_timeout=60",
-               *SCRIPT_ARGS]
-    waiting = subprocess.Popen(command, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    assert wait_until(lambda: serving(port), 60)  # node 0's store is up: it waits at the rendezvous
-    os.killpg(waiting.pid, signal.SIGINT)
-    output = waiting.communicate(timeout=30)[0]
-    assert waiting.returncode == 130
-    assert output.strip().splitlines() == ["torchrun: stopped on SIGINT before this node's ranks started"], output
 
 
 @pytest.mark.parametrize("ended, status", [

@@ -264,7 +264,8 @@ def test_save_replay_then_resume_brings_the_replay_back(tmp_path):
             assert np.array_equal(after[name][first_slots], before[name][first_slots]), name
     rates = [(int(row["global_step"]), float(row["learning_rate"])) for row in read_metrics(out / "metrics.csv")]
     annealed = [rate for step, rate in rates if step <= first["global_step"]]
-    assert annealed == sorted(annealed, reverse=True) and annealed[-1] < 0.5 * annealed[0], annealed
+    # Decreasing, and well below the configured rate by the end (the first row may come after learning began).
+    assert annealed == sorted(annealed, reverse=True) and annealed[-1] < 0.5 * 2.5e-4, annealed
     resumed = [rate for step, rate in rates if step > first["global_step"]]
     assert resumed and resumed == pytest.approx([2.5e-4] * len(resumed)), resumed
 
