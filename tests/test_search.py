@@ -129,9 +129,10 @@ def test_two_processes_add_trials_to_one_study(tmp_path):
 @pytest.mark.parametrize("pruner", ["median", "successive_halving"])
 def test_a_hopeless_trial_is_pruned_from_its_own_metrics(tmp_path, pruner):
     """A good trial first, then one whose step size cannot learn: the pruner stops the second with SIGINT, from the
-    mean returns its metrics.csv shows, and its run exits as after Ctrl+C (130, with a checkpoint)."""
+    mean returns its metrics.csv shows, and its run exits as after Ctrl+C (130, with a checkpoint). The budget is
+    one a quiet machine does not finish between two of the pruner's reads."""
     path = search_file(tmp_path, trials=2, pruner=pruner, prune_every_steps=1000, prune_warmup_steps=0,
-                       prune_startup_trials=1, settings={"total_timesteps": 20_000},
+                       prune_startup_trials=1, settings={"total_timesteps": 60_000},
                        ranges={"learning_rate": {"low": 1e-6, "high": 0.03, "log": True}},
                        enqueue=[{"learning_rate": 0.02}, {"learning_rate": 1e-6}])
     result = run_script(LAUNCHER, "--search", str(path), timeout=180)
@@ -142,7 +143,7 @@ def test_a_hopeless_trial_is_pruned_from_its_own_metrics(tmp_path, pruner):
     assert hopeless.user_attrs["exit_codes"] == [130]
     run_dir = tmp_path / "search" / "trial_0001" / "seed_1"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stop_reason"] == "interrupted" and summary["global_step"] < 20_000
+    assert summary["stop_reason"] == "interrupted" and summary["global_step"] < 60_000
     assert any((run_dir / "checkpoints").iterdir())
     assert f"trial 1 pruned at {hopeless.user_attrs['pruned_at_step']} env steps" in result.stdout
 
