@@ -75,8 +75,8 @@ def test_a_search_runs_trials_as_run_directories_and_writes_the_best_as_a_config
         summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
         assert [s["seed"] for s in summaries] == [1, 2]
         # The summary's final mean, or (a summary without one) the last mean metrics.csv holds.
-        finals = [s["final_mean_return"] if s["final_mean_return"] is not None else last_mean(read_rows(d))
-                  for s, d in zip(summaries, run_dirs)]
+        finals = [s["final_mean_return"] if s["final_mean_return"] is not None
+                  else last_mean(read_rows(d / "metrics.csv")) for s, d in zip(summaries, run_dirs)]
         assert t.user_attrs["scores"] == {"1": finals[0], "2": finals[1]}
         assert t.value == pytest.approx(statistics.median(finals))
         config = yaml.safe_load((run_dirs[0] / "config.yaml").read_text())
