@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "search.md"
 sys.path.insert(0, str(ROOT))
 
-from common.launcher.search import last_mean, load_search, read_rows  # noqa: E402
+from common.launcher.search import last_mean, read_rows  # noqa: E402
+from common.launcher.search_file import load_search  # noqa: E402
 
 
 def first_reaching(rows: list[dict], target: float) -> dict | None:
