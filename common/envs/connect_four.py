@@ -46,6 +46,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from common.envs import placement
+from common.envs.one_game import OneGame
+from common.envs.placement import Placement, observe
 from common.envs.symmetry import Symmetry
 
 ROWS, COLS = 6, 7
@@ -93,11 +96,6 @@ def drop(boards: np.ndarray, heights: np.ndarray, env_ids: np.ndarray, columns: 
         raise ValueError(f"illegal move: column(s) {full} are full (use info['action_mask'])")
     boards[env_ids, rows, columns] = piece
     heights[env_ids, columns] += 1
-
-
-def observe(boards: np.ndarray, piece: int = LEARNER) -> np.ndarray:
-    """The ``(n, 2, 6, 7)`` float32 observation of ``boards`` for the side playing ``piece``."""
-    return np.stack([boards == piece, boards == -piece], axis=1).astype(np.float32)
 
 
 def boards_of(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -479,73 +477,25 @@ MIRROR = Symmetry("mirror", mirror_columns, tuple(range(COLS - 1, -1, -1)))
 
 # ------------------------------------------------------------------ the other seat
 
-def _replies(episode: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What the learner's record of a game implies about its opponent: the boards the learner moved on
-    (+1 = learner), each board just after the learner's move (the one the opponent was shown), whether
-    the opponent replied to it, and the column of each reply that was made."""
-    actions = np.asarray(episode["actions"], dtype=np.int64)
-    boards, heights = boards_of(episode["obs"])
-    steps = len(actions)
-    after = boards[:-1].copy()
-    drop(after, heights[:-1], np.arange(steps), actions, LEARNER)
-    replied = np.ones(steps, dtype=bool)
-    replied[-1] = (boards[-1] != after[-1]).any()  # no reply when the learner's move ended the game
-    new_disc = boards[1:][replied] != after[replied]
-    if (new_disc.sum(axis=(1, 2)) != 1).any():
-        raise ValueError("the boards of this record do not follow from its moves one reply apart")
-    return boards, after, replied, new_disc.any(axis=1).argmax(axis=1).astype(np.int64)
+def _landing(boards: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row 0 is the bottom: a disc lands on its column's first empty cell (a full column's top cell, taken)."""
+    return np.minimum((boards[np.arange(len(boards)), :, columns] != 0).sum(axis=1), ROWS - 1), columns
+
+
+RULES = Placement(landing=_landing, action_at=lambda rows, cols: cols,
+                  legal=lambda boards: legal_mask((boards != 0).sum(axis=1)))
 
 
 def other_seat(episode: dict[str, Any]) -> dict[str, Any] | None:
-    """The same game as the opponent played it, rebuilt from the learner's record of it, or None.
-
-    The record (``obs`` T+1, ``actions`` T, ``rewards`` T, ``terminated``) holds every board the
-    learner moved on and the final one, so each reply is the one disc that differs between the board
-    after the learner's move and the next board. Returns the opponent's episode in the same form: the
-    boards it moved on seen from its side, its moves, its rewards (all 0 but the last, which is minus
-    the learner's) and its legal-move masks. None for a game cut before its end (the opponent's next
-    position is not in the record) or one where the opponent made no recorded move. A game the
-    opponent opened loses that first move: the record starts after it.
-    """
-    if not episode["terminated"]:
-        return None
-    boards, after, replied, replies = _replies(episode)
-    if not replied.any():
-        return None
-    seen = np.concatenate([after[replied], boards[-1:]])
-    rewards = np.zeros(int(replied.sum()), dtype=np.float32)
-    rewards[-1] = -float(episode["rewards"][-1])
-    return {"obs": observe(seen, OPPONENT), "actions": replies, "rewards": rewards, "terminated": True,
-            "masks": legal_mask((seen != 0).sum(axis=1))}
+    """The same game as the opponent played it, rebuilt from the learner's record of it, or None
+    (common/envs/placement.py)."""
+    return placement.other_seat(RULES, episode)
 
 
 def plies(episode: dict[str, Any]) -> dict[str, Any]:
-    """The learner's record of a game as the alternating moves of both players, one ply at a time.
-
-    Every observation is the board seen by the side to move there (as the self-play network sees
-    every board), every action that side's move, and every reward what the move earned the side
-    that made it: 1 for the move that wins, 0 otherwise (a loss shows as the winner's 1 on the next
-    ply). The value of a ply is then minus the value of the next one, so a learner bootstraps each
-    ply with ``-gamma`` times the best value of the position it leads to (negamax), and learns from
-    every move of both players whoever made them. Same form as the record (``obs`` P+1, ``actions``,
-    ``rewards``, ``terminated``, ``masks``); a game cut before its end ends on the learner's next
-    board, to bootstrap from. A game the opponent opened loses that first move.
-    """
-    boards, after, replied, replies = _replies(episode)
-    steps = len(after)
-    both = np.empty((2 * steps, ROWS, COLS), dtype=np.int8)  # each step: the learner's board, then the reply's
-    both[0::2], both[1::2] = boards[:-1], -after  # the opponent's side: its own discs +1
-    moves = np.zeros(2 * steps, dtype=np.int64)
-    moves[0::2] = episode["actions"]
-    moves[1::2][replied] = replies
-    if replied[-1]:  # the reply ended the game (or the record was cut): the last board follows it
-        seen = np.concatenate([both, boards[-1:]])
-    else:  # the learner's move ended the game: the board after it is the last
-        seen, moves = both, moves[:-1]
-    rewards = np.zeros(len(moves), dtype=np.float32)
-    rewards[-1] = float(bool(episode["terminated"]) and float(episode["rewards"][-1]) != 0)  # the winner moved last
-    return {"obs": observe(seen, LEARNER), "actions": moves, "rewards": rewards,
-            "terminated": bool(episode["terminated"]), "masks": legal_mask((seen != 0).sum(axis=1))}
+    """The learner's record of a game as the alternating moves of both players, one ply at a time, each seen by
+    the side to move (common/envs/placement.py)."""
+    return placement.plies(RULES, episode)
 
 
 # ------------------------------------------------------------------ vector env
@@ -664,7 +614,7 @@ class ConnectFourVectorEnv(gym.vector.VectorEnv):
 
 # ------------------------------------------------------------------ single env
 
-class ConnectFourEnv(gym.Env):
+class ConnectFourEnv(OneGame):
     """One game of Connect Four against ``opponent`` (default: a random player).
 
     ``reset(options={"learner_first": True/False})`` fixes the seat for that game.
@@ -684,27 +634,13 @@ class ConnectFourEnv(gym.Env):
                                          random_opening=random_opening)
         self._done = True
 
-    def set_opponent(self, opponent: Player | str) -> None:
-        self._vec.set_opponent(opponent)
-
     @property
     def board(self) -> np.ndarray:
         """The ``(6, 7)`` board: +1 learner, -1 opponent, 0 empty; row 0 at the bottom."""
         return self._vec.boards[0].copy()
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
-        if seed is not None:
-            self._vec.np_random = np.random.default_rng(seed)
-            if hasattr(self._vec.opponent, "rng"):
-                self._vec.opponent.rng = np.random.default_rng(seed + 1)
-        seat = self._vec.learner_first
-        if options and "learner_first" in options:
-            self._vec.learner_first = options["learner_first"]
-        try:
-            self._vec._start_games(np.arange(1))
-        finally:
-            self._vec.learner_first = seat
+        self._start_game(seed, options)
         self._done = False
         return observe(self._vec.boards)[0], {"action_mask": legal_mask(self._vec.heights)[0]}
 

@@ -62,81 +62,15 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from common.envs import connect_four, tictactoe_players
+from common.envs import connect_four, placement, tictactoe_players
+from common.envs.one_game import OneGame
+from common.envs.placement import Placement
 from common.envs.symmetry import Symmetry
 
 Player = Any  # anything with act(obs, action_mask, env_ids) -> actions (common/envs/connect_four.py's Player)
 
 
 # ------------------------------------------------------------------ games that place one mark per move
-
-@dataclass(frozen=True)
-class Placement:
-    """The rules of a game where every move puts one mark of the mover on an empty cell of a ``(rows, cols)``
-    board and nothing else changes, as far as rebuilding a recorded game needs them."""
-
-    landing: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]  # (boards, actions) -> (rows, cols)
-    action_at: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, cols) of a new mark -> the move
-    legal: Callable[[np.ndarray], np.ndarray]  # (n, rows, cols) boards -> (n, actions) bool
-
-
-def _replies(rules: Placement, episode: dict[str, Any]):
-    """What the learner's record implies about its opponent: the boards the learner moved on (+1 = learner),
-    each board just after the learner's move, whether the opponent replied to it, and each reply's move."""
-    obs = np.asarray(episode["obs"])
-    actions = np.asarray(episode["actions"], dtype=np.int64)
-    boards = (obs[:, 0] - obs[:, 1]).astype(np.int8)
-    steps = len(actions)
-    after = boards[:-1].copy()
-    rows, cols = rules.landing(after, actions)
-    if (after[np.arange(steps), rows, cols] != 0).any():
-        raise ValueError("the record holds a move onto a taken cell")
-    after[np.arange(steps), rows, cols] = 1
-    replied = np.ones(steps, dtype=bool)
-    replied[-1] = (boards[-1] != after[-1]).any()  # no reply when the learner's move ended the game
-    new_mark = boards[1:][replied] != after[replied]
-    if (new_mark.reshape(len(new_mark), -1).sum(axis=1) != 1).any():
-        raise ValueError("the boards of this record do not follow from its moves one reply apart")
-    cells = new_mark.reshape(len(new_mark), -1).argmax(axis=1)
-    reply_rows, reply_cols = np.divmod(cells, boards.shape[2])
-    return boards, after, replied, rules.action_at(reply_rows, reply_cols).astype(np.int64)
-
-
-def other_seat(rules: Placement, episode: dict[str, Any]) -> dict[str, Any] | None:
-    """The same game as the opponent played it (common/envs/symmetry.py), or None for a game cut before its
-    end or one where the opponent made no recorded move; as ``connect_four.other_seat`` for any placement game."""
-    if not episode["terminated"]:
-        return None
-    boards, after, replied, replies = _replies(rules, episode)
-    if not replied.any():
-        return None
-    seen = np.concatenate([after[replied], boards[-1:]])
-    rewards = np.zeros(int(replied.sum()), dtype=np.float32)
-    rewards[-1] = -float(episode["rewards"][-1])
-    return {"obs": connect_four.observe(seen, -1), "actions": replies, "rewards": rewards, "terminated": True,
-            "masks": rules.legal(-seen)}
-
-
-def plies(rules: Placement, episode: dict[str, Any]) -> dict[str, Any]:
-    """The learner's record as the alternating moves of both players, each seen by the side to move, each
-    reward what the move earned its mover (common/envs/symmetry.py); as ``connect_four.plies`` for any
-    placement game. A game the opponent opened loses that first move."""
-    boards, after, replied, replies = _replies(rules, episode)
-    steps = len(after)
-    both = np.empty((2 * steps, *boards.shape[1:]), dtype=np.int8)  # each step: the learner's board, then the reply's
-    both[0::2], both[1::2] = boards[:-1], -after  # the opponent's side: its own marks +1
-    moves = np.zeros(2 * steps, dtype=np.int64)
-    moves[0::2] = episode["actions"]
-    moves[1::2][replied] = replies
-    if replied[-1]:  # the reply ended the game (or the record was cut): the last board follows it
-        seen = np.concatenate([both, boards[-1:]])
-    else:  # the learner's move ended the game: the board after it is the last
-        seen, moves = both, moves[:-1]
-    rewards = np.zeros(len(moves), dtype=np.float32)
-    rewards[-1] = float(bool(episode["terminated"]) and float(episode["rewards"][-1]) != 0)  # the winner moved last
-    return {"obs": connect_four.observe(seen, 1), "actions": moves, "rewards": rewards,
-            "terminated": bool(episode["terminated"]), "masks": rules.legal(seen)}
-
 
 TICTACTOE_RULES = Placement(landing=lambda boards, actions: np.divmod(actions, 3),
                             action_at=lambda rows, cols: 3 * rows + cols,
@@ -278,8 +212,8 @@ class _Declares:
         cls.MAX_RANDOM_OPENING = game.max_random_opening
         cls.symmetries = game.symmetries  # what replay augmentation may use (common/envs/symmetry.py)
         if game.placement is not None:  # what learning from both seats and negamax targets use
-            cls.other_seat = staticmethod(partial(other_seat, game.placement))
-            cls.plies = staticmethod(partial(plies, game.placement))
+            cls.other_seat = staticmethod(partial(placement.other_seat, game.placement))
+            cls.plies = staticmethod(partial(placement.plies, game.placement))
         if game.lookahead is not None:
             cls.LookaheadPlayer = staticmethod(game.lookahead)
 
@@ -452,7 +386,7 @@ class PettingZooGameVectorEnv(_Declares, gym.vector.VectorEnv):
             game.close()
 
 
-class PettingZooGameEnv(_Declares, gym.Env):
+class PettingZooGameEnv(_Declares, OneGame):
     """One game of a PettingZoo AEC game against ``opponent`` (default: the random player); the vector form's
     code with one game, without the autoreset. ``render_mode`` goes to the game (``rgb_array``, ``human``)."""
 
@@ -468,9 +402,6 @@ class PettingZooGameEnv(_Declares, gym.Env):
         self.action_space = self._vec.single_action_space
         self._done = True
 
-    def set_opponent(self, opponent: Player | str) -> None:
-        self._vec.set_opponent(opponent)
-
     @property
     def aec_env(self):
         """The PettingZoo AEC env of the game in play (its ``agent_selection``, ``board`` ...)."""
@@ -482,19 +413,8 @@ class PettingZooGameEnv(_Declares, gym.Env):
         return self._vec.learner[0]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
+        self._start_game(seed, options)
         vec = self._vec
-        if seed is not None:
-            vec.np_random = np.random.default_rng(seed)
-            if hasattr(vec.opponent, "rng"):
-                vec.opponent.rng = np.random.default_rng(seed + 1)
-        seat = vec.learner_first
-        if options and "learner_first" in options:
-            vec.learner_first = options["learner_first"]
-        try:
-            vec._start_games(np.arange(1))
-        finally:
-            vec.learner_first = seat
         self._done = vec._over(0)
         obs, masks = vec._observe([0], vec.learner)
         return obs[0], {"action_mask": masks[0]}

@@ -63,6 +63,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from common.envs.one_game import OneGame
+
 try:
     import cshogi
 except ImportError:  # an optional extra: making the env says how to install it
@@ -478,7 +480,7 @@ class ShogiVectorEnv(gym.vector.VectorEnv):
 
 # ------------------------------------------------------------------ single env
 
-class ShogiEnv(gym.Env):
+class ShogiEnv(OneGame):
     """One game of Shogi against ``opponent`` (default: a random player).
 
     ``reset(options={"learner_first": True/False})`` fixes the seat for that game.
@@ -496,9 +498,6 @@ class ShogiEnv(gym.Env):
         self.render_mode = render_mode
         self._done = True
 
-    def set_opponent(self, opponent: Player | str) -> None:
-        self._vec.set_opponent(opponent)
-
     @property
     def board(self):
         """A copy of the cshogi Board of the game."""
@@ -513,21 +512,9 @@ class ShogiEnv(gym.Env):
         return self._vec._observe(np.arange(1), self._vec.learner_colour)[0]
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
-        vec = self._vec
-        if seed is not None:
-            vec.np_random = np.random.default_rng(seed)
-            if hasattr(vec.opponent, "rng"):
-                vec.opponent.rng = np.random.default_rng(seed + 1)
-        seat = vec.learner_first
-        if options and "learner_first" in options:
-            vec.learner_first = options["learner_first"]
-        try:
-            vec._start_games(np.arange(1))
-        finally:
-            vec.learner_first = seat
+        self._start_game(seed, options)
         self._done = False
-        return self._obs(), {"action_mask": vec.masks[0].copy()}
+        return self._obs(), {"action_mask": self._vec.masks[0].copy()}
 
     def set_position(self, sfen: str, plies: int = 0) -> dict:
         """Load a position (SFEN) with the learner as the side to move there, ``plies`` moves already
