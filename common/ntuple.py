@@ -1,0 +1,325 @@
+"""An n-tuple value function for Connect Four learned by TD self-play, in numpy.
+
+After Thill, Bagheri and Konen's n-tuple agents for Connect-4: the value of a board is ``tanh`` of a sum
+of look-up table (LUT) entries, one per *tuple* (a fixed list of cells, here random walks of adjacent
+cells drawn from a seed), each indexed by the states of its cells. A cell is in one of four states:
+0 empty and not yet playable, 1 the first player's disc, 2 the second player's, 3 empty and playable
+(the next disc of its column lands there); telling the two kinds of empty apart is what the published
+agents found worth it. Each tuple is also read on the board mirrored left-right into the same LUT, so
+mirrored boards are worth the same and share what is learned. There are two sets of LUTs, one for
+boards the first player has just moved on and one for the second player's, so a tuple can learn that
+the same pattern is worth differently to the two seats (Connect Four's odd and even threats). Colours
+by seat rather than by side to move keep a board's indices valid from one ply to the next: a move
+changes two cells, so the trainer updates each game's indices by adding what the disc changes instead
+of reading all 42 cells again.
+
+**Afterstate values.** :meth:`NTupleValue.values` scores a board for the side that *just moved* (whose
+discs are +1 in the boards passed to it): +1 a win, -1 a loss. The side to move picks the move whose
+afterstate is worth most to itself: four in a row is worth 1 and a full board 0 by the rules, every
+other afterstate the learned value. The weights are one flat float32 array, so they can live in shared
+memory.
+
+**Self-play TD** (:func:`train`): thousands of games are played in lockstep, both sides greedy over
+afterstate values with epsilon-greedy exploration and a few uniformly random opening plies. After every
+ply the afterstate the previous mover left is moved toward minus the best afterstate value the side now
+to move found (negamax TD(0) with a max target, so exploring moves do not bias the targets; an immediate
+win there is worth 1 to the mover, hence -1 as the target). All the games' updates of a ply are applied
+at once (torch's ``index_add_`` on the numpy weights), each LUT entry moving by the mean of the updates
+that hit it in that ply, so the thousands of games that share an entry move it like one game would.
+
+Boards are those of common/envs/connect_four.py: ``(n, 6, 7)`` int8, +1/-1/0, row 0 the bottom.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.envs.connect_four import COLS, ROWS, boards_of, drop, legal_mask, wins
+
+CELLS = ROWS * COLS
+CELL_STATES = 4  # empty not playable, the side that just moved, the other side, empty playable
+MIRROR_CELL = np.array([r * COLS + (COLS - 1 - c) for r in range(ROWS) for c in range(COLS)])
+
+
+def random_walk_tuples(count: int, length: int, seed: int) -> np.ndarray:
+    """``(count, length)`` cell indices (``row * 7 + column``): each row a random walk over cells adjacent
+    in any of the 8 directions, never visiting a cell twice (a walk that gets stuck starts over)."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((count, length), dtype=np.int64)
+    for t in range(count):
+        while True:
+            walk = [int(rng.integers(CELLS))]
+            while len(walk) < length:
+                r, c = divmod(walk[-1], COLS)
+                nxt = [(r + dr) * COLS + c + dc for dr in (-1, 0, 1) for dc in (-1, 0, 1)
+                       if (dr or dc) and 0 <= r + dr < ROWS and 0 <= c + dc < COLS]
+                nxt = [cell for cell in nxt if cell not in walk]
+                if not nxt:
+                    break
+                walk.append(int(rng.choice(nxt)))
+            if len(walk) == length:
+                out[t] = walk
+                break
+    return out
+
+
+def cell_states(boards: np.ndarray, seats: np.ndarray) -> np.ndarray:
+    """``(n, 42)`` uint8 state of each cell of ``(n, 6, 7)`` boards (+1 = the side that just moved, whose seat
+    is ``seats``: 0 first player, 1 second): 1 the first player's disc, 2 the second's, 3 empty and
+    playable, 0 empty above that."""
+    heights = (boards != 0).sum(axis=1)  # (n, 7)
+    playable = np.arange(ROWS)[None, :, None] == heights[:, None, :]
+    first = np.where(np.asarray(seats)[:, None, None] == 0, 1, -1).astype(np.int8)  # the first player's piece
+    states = np.where(boards == first, 1, np.where(boards == -first, 2, np.where(playable, 3, 0)))
+    return states.astype(np.uint8).reshape(len(boards), CELLS)
+
+
+def seats_of(boards: np.ndarray) -> np.ndarray:
+    """The seat of the side that just moved on each board: an odd disc count means the first player (0)."""
+    return (1 - (np.asarray(boards) != 0).sum(axis=(1, 2)) % 2).astype(np.int64)
+
+
+class NTupleValue:
+    """LUT weights of ``tuples`` (``(T, length)`` cells) for two seats, and the afterstate values they give.
+
+    ``weights`` is flat float32: seat of the side that just moved (0 first player, 1 second), tuple, then
+    the tuple's index ``sum(state[cell_k] * 4 ** k)`` (:func:`cell_states`); each tuple is read twice, on
+    the board and on its mirror image, into the same LUT.
+    """
+
+    def __init__(self, tuples: np.ndarray, weights: np.ndarray | None = None):
+        self.tuples = np.asarray(tuples, dtype=np.int64)
+        count, length = self.tuples.shape
+        self.lut_size = CELL_STATES ** length
+        self.seat_size = count * self.lut_size
+        self.weights = np.zeros(2 * self.seat_size, dtype=np.float32) if weights is None else weights
+        if self.weights.shape != (2 * self.seat_size,) or self.weights.dtype != np.float32:
+            raise ValueError(f"weights must be {2 * self.seat_size} float32 values, got {self.weights.shape} "
+                             f"{self.weights.dtype}")
+        # Every tuple's index and its mirror image's as one matrix product, (n, 42) states @ (42, 2T) place
+        # values (4 ** k at the tuple's k-th cell): exact in float32, the largest index is 4 ** 8 - 1.
+        place = np.zeros((CELLS, 2 * count), dtype=np.int64)
+        for t, cells in enumerate(self.tuples):
+            for k, cell in enumerate(cells):
+                place[cell, t] += CELL_STATES ** k
+                place[MIRROR_CELL[cell], count + t] += CELL_STATES ** k
+        self.place = place.astype(np.float32)
+        self.offsets = np.tile(np.arange(count, dtype=np.int64) * self.lut_size, 2)  # (2T,): each tuple's LUT
+        self.active = 2 * count  # LUT entries read per board
+        # What a disc adds to the indices: DROP[seat, row, column] for the mover's disc landing at (row,
+        # column), turning that cell from playable (3) to its seat's state and the cell above from 0 to 3.
+        drop_delta = np.zeros((2, ROWS, COLS, 2 * count), dtype=np.int64)
+        for seat in (0, 1):
+            for row in range(ROWS):
+                for col in range(COLS):
+                    drop_delta[seat, row, col] = place[row * COLS + col] * (1 + seat - 3)
+                    if row + 1 < ROWS:
+                        drop_delta[seat, row, col] += place[(row + 1) * COLS + col] * 3
+        self.drop_delta = drop_delta
+        self.empty_index = self.base_indices(np.zeros((1, ROWS, COLS), dtype=np.int8), np.ones(1, np.int64))[0]
+
+    @classmethod
+    def random(cls, count: int = 70, length: int = 8, seed: int = 0) -> NTupleValue:
+        return cls(random_walk_tuples(count, length, seed))
+
+    def base_indices(self, boards: np.ndarray, seats: np.ndarray) -> np.ndarray:
+        """``(n, 2T)`` positions in the LUTs of the first seat read for ``boards`` (+1 = the side that just
+        moved, from ``seats``); add ``seat * seat_size`` for the LUTs of the second."""
+        index = (cell_states(boards, seats).astype(np.float32) @ self.place).astype(np.int64)
+        return index + self.offsets
+
+    def indices(self, boards: np.ndarray, seats: np.ndarray | None = None) -> np.ndarray:
+        """``(n, 2T)`` positions in ``weights`` read for ``boards`` (+1 = the side that just moved; its seat
+        from the disc count unless ``seats`` says)."""
+        seats = seats_of(boards) if seats is None else np.asarray(seats, dtype=np.int64)
+        return self.base_indices(boards, seats) + (seats * self.seat_size)[:, None]
+
+    def values_at(self, indices: np.ndarray) -> np.ndarray:
+        return np.tanh(np.take(self.weights, indices).sum(axis=-1))
+
+    def values(self, boards: np.ndarray, seats: np.ndarray | None = None) -> np.ndarray:
+        """``(n,)`` learned value for the side that just moved (its discs +1) of each board, in (-1, 1)."""
+        return self.values_at(self.indices(np.asarray(boards, dtype=np.int8), seats))
+
+    def move_values(self, boards: np.ndarray, heights: np.ndarray,
+                    base: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For boards of the side to move (+1) with column ``heights``: ``(n, 7)`` value of each move's
+        afterstate for the mover (-inf for a full column; 1 four in a row, 0 a full board, else learned),
+        the ``(n, 7, 2T)`` base indices of the afterstates, and ``(n, 7)`` whether the move ends the game.
+        ``base``: the boards' own base indices when known (the trainer keeps them up to date)."""
+        n = len(boards)
+        discs = heights.sum(axis=1)
+        mover_seat = discs % 2  # the side to move moves first when the discs are even in number
+        if base is None:
+            base = self.base_indices(-boards, 1 - mover_seat) if n else np.zeros((0, self.active), np.int64)
+        rows = np.minimum(heights, ROWS - 1)
+        children = base[:, None, :] + self.drop_delta[mover_seat[:, None], rows, np.arange(COLS)]
+        learned = self.values_at(children + (mover_seat * self.seat_size)[:, None, None])
+        legal = legal_mask(heights)
+        won = winning_drops(boards, heights)
+        full = (discs + 1 == CELLS)[:, None]
+        values = np.where(won, 1.0, np.where(full, 0.0, learned)).astype(np.float32)
+        values[~legal] = -np.inf
+        return values, children, (won | full) & legal
+
+    def act(self, obs: np.ndarray, action_mask: np.ndarray | None = None,
+            env_ids: np.ndarray | None = None) -> np.ndarray:
+        """Greedy column for each ``(n, 2, 6, 7)`` observation of ConnectFour-v0 (plane 0 the side to move):
+        the legal move whose afterstate is worth most to the mover (the lowest column among equals)."""
+        boards, heights = boards_of(np.asarray(obs))
+        values = self.move_values(boards, heights)[0]
+        if action_mask is not None:
+            values[~np.asarray(action_mask, dtype=bool)] = -np.inf
+        return values.argmax(axis=1)
+
+    def save(self, path: str | Path, **extra) -> None:
+        np.savez(path, tuples=self.tuples, weights=self.weights, **extra)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NTupleValue:
+        with np.load(path) as saved:
+            return cls(saved["tuples"], saved["weights"].astype(np.float32))
+
+
+def winning_drops(boards: np.ndarray, heights: np.ndarray) -> np.ndarray:
+    """``(n, 7)`` bool: the side to move (+1) completes four by dropping a disc in that column."""
+    n = len(boards)
+    legal = legal_mask(heights)
+    parent, col = np.nonzero(legal)
+    children = boards[parent].copy()
+    children[np.arange(len(parent)), heights[parent, col], col] = 1
+    out = np.zeros((n, COLS), dtype=bool)
+    out[parent, col] = wins(children, 1)
+    return out
+
+
+# ------------------------------------------------------------------ self-play TD
+
+
+@dataclass
+class TrainConfig:
+    games_in_lockstep: int = 1024  # games played together: numpy's overhead is paid once per ply for all
+    # The defaults won short comparisons graded by the perfect player (what was tried: docs/parallel_train_dqn.md).
+    learning_rate: float = 1.0  # step of the tanh's input per unit of TD error (shared by the active entries)
+    final_learning_rate: float = 0.2  # reached at the end of the budget, decaying exponentially
+    epsilon: float = 0.2  # share of moves played uniformly at random (after the random opening)
+    final_epsilon: float = 0.2
+    random_opening: tuple[int, int] = (0, 8)  # each game opens with this many random plies (drawn uniformly)
+    tanh_gradient: bool = True  # scale the TD error by tanh's slope (False: the error alone, as for a logistic loss)
+
+
+@dataclass
+class Progress:
+    games: int
+    plies: int
+    seconds: float
+    learning_rate: float
+    epsilon: float
+
+
+def train(value: NTupleValue, minutes: float | None = None, games: int | None = None, seed: int = 0,
+          config: TrainConfig | None = None, callback: Callable[[Progress], None] | None = None,
+          callback_every_s: float = 60.0) -> Progress:
+    """Self-play TD(0) on ``value`` for ``minutes`` of wall time or ``games`` finished games (the first
+    reached); ``callback(progress)`` every ``callback_every_s`` seconds of training before the end (its own
+    time is not counted). Returns the final progress."""
+    if minutes is None and games is None:
+        raise ValueError("train needs minutes or games")
+    config = config or TrainConfig()
+    rng = np.random.default_rng(seed)
+    n = config.games_in_lockstep
+    boards = np.zeros((n, ROWS, COLS), dtype=np.int8)  # +1 = the side to move
+    heights = np.zeros((n, COLS), dtype=np.int64)
+    base = np.tile(value.empty_index, (n, 1))  # the boards' base indices, kept up to date move by move
+    opening = rng.integers(config.random_opening[0], config.random_opening[1] + 1, size=n)
+    previous_idx = np.zeros((n, value.active), dtype=np.int64)  # the afterstate the last mover left
+    previous_value = np.zeros(n, dtype=np.float32)
+    has_previous = np.zeros(n, dtype=bool)
+    hits = np.zeros(value.weights.size, dtype=np.float32)
+    all_ids = np.arange(n)
+    done_games = plies = 0
+    trained_s = 0.0
+    budget_s = None if minutes is None else minutes * 60.0
+    next_callback = callback_every_s
+    started = time.monotonic()
+
+    def fraction() -> float:
+        parts = [trained_s / budget_s if budget_s else 0.0, done_games / games if games else 0.0]
+        return min(1.0, max(parts))
+
+    def progress() -> Progress:
+        f = fraction()
+        return Progress(done_games, plies, trained_s, schedule(config.learning_rate, config.final_learning_rate, f),
+                        config.epsilon + (config.final_epsilon - config.epsilon) * f)
+
+    while fraction() < 1.0:
+        f = fraction()
+        lr = schedule(config.learning_rate, config.final_learning_rate, f)
+        epsilon = config.epsilon + (config.final_epsilon - config.epsilon) * f
+        mover_seat = heights.sum(axis=1) % 2
+        values, children, terminal = value.move_values(boards, heights, base)
+        best = values.max(axis=1)
+        # TD(0): the afterstate the previous mover left is worth minus the best the side to move can do.
+        update = np.flatnonzero(has_previous)
+        if update.size:
+            v = previous_value[update]
+            steps = (lr / value.active) * (-best[update] - v)
+            if config.tanh_gradient:
+                steps *= 1.0 - v * v
+            apply_mean_updates(value.weights, hits, previous_idx[update], steps)
+        legal = np.isfinite(values)
+        greedy = (values + rng.random(values.shape, dtype=np.float32) * 1e-6).argmax(axis=1)  # random ties
+        random_move = (heights.sum(axis=1) < opening) | (rng.random(n) < epsilon)
+        cumulative = np.cumsum(legal, axis=1)
+        draws = (rng.random(n) * cumulative[:, -1]).astype(np.int64)
+        random_cols = (cumulative > draws[:, None]).argmax(axis=1)
+        actions = np.where(random_move, random_cols, greedy)
+        ended = terminal[all_ids, actions]
+        base = children[all_ids, actions]
+        previous_idx[:] = base + (mover_seat * value.seat_size)[:, None]
+        previous_value[:] = values[all_ids, actions]
+        has_previous[:] = ~ended
+        drop(boards, heights, all_ids, actions, 1)
+        boards *= -1  # the other side moves next: it is +1 now
+        plies += n
+        finished = np.flatnonzero(ended)
+        if finished.size:
+            boards[finished] = 0
+            heights[finished] = 0
+            base[finished] = value.empty_index
+            opening[finished] = rng.integers(config.random_opening[0], config.random_opening[1] + 1,
+                                             size=finished.size)
+            done_games += finished.size
+        now = time.monotonic()
+        trained_s += now - started
+        started = now
+        if callback is not None and trained_s >= next_callback and fraction() < 1.0:  # the end is the caller's
+            callback(progress())
+            next_callback += callback_every_s
+            started = time.monotonic()
+    return progress()
+
+
+def schedule(start: float, end: float, fraction: float) -> float:
+    """Exponential decay from ``start`` to ``end`` as ``fraction`` goes from 0 to 1."""
+    return float(start * (end / start) ** fraction) if start > 0 and end > 0 else start + (end - start) * fraction
+
+
+def apply_mean_updates(weights: np.ndarray, hits: np.ndarray, indices: np.ndarray, steps: np.ndarray) -> None:
+    """Add to each entry of ``weights`` hit by ``indices`` (``(m, k)``) the mean of the ``steps`` (``(m,)``) of
+    the rows that hit it. Summed, the thousands of boards of a ply that share an entry (a tuple over cells
+    still empty, an opening position) would move it thousands of times as far as one board does.
+    ``hits``: float32 zeros of the weights' size, left zero. torch's ``index_add_`` does the scatter-adds:
+    on one core it is about ten times as fast as ``np.add.at``."""
+    flat = torch.from_numpy(np.ascontiguousarray(indices).ravel())
+    hits_t = torch.from_numpy(hits)
+    hits_t.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32))
+    share = torch.from_numpy(np.repeat(steps.astype(np.float32), indices.shape[1])) / hits_t[flat]
+    torch.from_numpy(weights).index_add_(0, flat, share)  # the shares of an entry's rows add up to their mean
+    hits_t[flat] = 0.0
