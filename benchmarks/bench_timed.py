@@ -1,7 +1,8 @@
 """Benchmarks of train_parallel_timed.py (not part of the test suite).
 
     python benchmarks/bench_timed.py cartpole   # time to solve CartPole-v1 (475), 5 seeds
-    python benchmarks/bench_timed.py lunar      # LunarLander-v3 to 200 on the default settings
+    python benchmarks/bench_timed.py lunar      # LunarLander-v3 to 200 on the default settings, 5 seeds
+    python benchmarks/bench_timed.py lunar --variant "async=--async-training"   # and beside a variant
     python benchmarks/bench_timed.py scaling    # steps/s with 0, 1, 2 workers on CartPole and LunarLander
     python benchmarks/bench_timed.py learners   # the numpy and the torch learner, update time and whole process
     python benchmarks/bench_timed.py all
@@ -76,13 +77,31 @@ def bench_cartpole(tmp: Path, seeds: int) -> str:
                      "steps/s", "collection steps/s"], rows_out))
 
 
-def bench_lunar(tmp: Path) -> str:
-    summary, rows, process_s = run([], tmp / "lunar")
-    hit = first_reaching(rows, 200)
-    return ("### LunarLander-v3 on the default settings (2 workers x 8 envs)\n\n"
-            + table(["reached 200 after (s)", "env steps", "final mean return", "steps/s", "process seconds"],
-                    [[f"{float(hit['wall_time']):.0f}" if hit else "not reached", hit["global_step"] if hit else "-",
-                      f"{summary['final_mean_return']:.1f}", f"{summary['sps']:.0f}", f"{process_s:.0f}"]]))
+def bench_lunar(tmp: Path, seeds: int, variants: dict[str, list[str]]) -> str:
+    """LunarLander-v3 to 200, seeds 1..N, each variant's run of a seed right after the others' (so the machine's
+    load falls on them alike): the whole process (start-up included) and the training to 200 of each."""
+    results: dict[str, list] = {name: [] for name in variants}
+    for seed in range(1, seeds + 1):
+        for name, extra in variants.items():
+            summary, _, process_s = run([*extra, "--seed", str(seed)], tmp / f"lunar_{name}_{seed}")
+            reached = summary["stop_reason"].startswith("target return")  # stopped at the target: its wall time
+            results[name].append((seed, process_s if reached else float("inf"), summary["wall_time_s"],
+                                  summary["global_step"] if reached else None, summary["stop_reason"]))
+    out = []
+    for name, runs in results.items():
+        process = [r[1] for r in runs]
+        out.append([name, " / ".join(f"{p:.1f}" if p != float("inf") else "not reached" for p in process),
+                    f"**{statistics.median(process):.1f}**", f"{max(process):.1f}",
+                    f"{statistics.median(r[2] for r in runs):.1f}",
+                    " / ".join(f"{r[3]:,}" if r[3] else "-" for r in runs)])
+    missed = [f"{name}, seed {r[0]}: stopped with \"{r[4]}\"" for name, runs in results.items() for r in runs
+              if r[3] is None]
+    return (f"### LunarLander-v3 to 200, seeds 1-{seeds}, whole process (start-up included)\n\n"
+            + "\n".join(f"- {name}: `python train_parallel_timed.py {' '.join(extra)} --seed S`"
+                        for name, extra in variants.items()) + "\n\n"
+            + table(["settings", "whole process per seed (s)", "median (s)", "slowest (s)",
+                     "training, median (s)", "env steps to 200 per seed"], out)
+            + "".join(f"\n\n- {line}" for line in missed))
 
 
 def bench_scaling(tmp: Path, seconds: float) -> str:
@@ -129,6 +148,8 @@ def main() -> int:
     parser.add_argument("which", choices=["cartpole", "lunar", "scaling", "learners", "all"])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--scaling-seconds", type=float, default=40.0)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="lunar: a variant of the defaults to run beside them, e.g. 'async=--async-training'")
     args = parser.parse_args()
     load = os.getloadavg()
     header = (f"## {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
@@ -141,7 +162,8 @@ def main() -> int:
         if args.which in ("scaling", "all"):
             sections.append(bench_scaling(tmp, args.scaling_seconds))
         if args.which in ("lunar", "all"):
-            sections.append(bench_lunar(tmp))
+            variants = {"defaults": []} | {v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+            sections.append(bench_lunar(tmp, args.seeds, variants))
         if args.which in ("learners", "all"):
             sections.append(bench_learners(tmp, min(args.seeds, 3)))
     text = header + "\n\n" + "\n\n".join(sections) + "\n"

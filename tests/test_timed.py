@@ -199,14 +199,15 @@ def test_resume_continues_from_the_saved_step(tmp_path, first_learner, second_le
     """Also across learners: the two save the same checkpoint (parameters and Adam's state)."""
     run_dir = tmp_path / "resume"
     first = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 1024, "--output-dir", run_dir,
-                       "--learner", first_learner)
+                       "--learner", first_learner, "--n-epochs", 4, "--learning-rate", 5e-4)
     assert first.returncode == 0, first.stderr
     saved = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     assert saved["optimizer"]["state"][0]["step"] == 8 * 4 * 2  # 8 updates of 4 epochs of 2 minibatches
     rows_before = metrics_rows(run_dir)
     # The resumed run learns at the rate it is given, not at the (annealed) one the checkpoint ended with.
     second = run_script(SCRIPT, *TINY, "--num-workers", 0, "--total-timesteps", 2048, "--output-dir", run_dir,
-                        "--resume", "auto", "--learner", second_learner, "--no-anneal-lr", "--learning-rate", 0.002)
+                        "--resume", "auto", "--learner", second_learner, "--no-anneal-lr", "--learning-rate", 0.002,
+                        "--n-epochs", 4)
     assert second.returncode == 0, second.stderr
     assert {float(r["learning_rate"]) for r in metrics_rows(run_dir)[len(rows_before):]} == {0.002}
     assert float(rows_before[-1]["learning_rate"]) < 5e-4
