@@ -69,8 +69,9 @@ def test_timed_ppo_learns_to_catch_from_pixels(tmp_path, device, most_steps):
     out = tmp_path / "run"
     proc = run_script("train_parallel_timed.py", "--env-id", "Catch-v0", "--num-workers", "0",
                       "--num-envs-per-worker", "16", "--n-steps", "32", "--batch-size", "128",
-                      "--learning-rate", "1e-3", "--gamma", "0.99", "--gae-lambda", "0.95",
-                      "--total-timesteps", "60000", "--target-return", "auto", "--seed", "1", "--device", device,
+                      "--learning-rate", "1e-3", "--gamma", "0.99", "--gae-lambda", "0.95", "--n-epochs", "4",
+                      "--clip-coef", "0.2", "--ent-coef", "0.01", "--total-timesteps", "60000",
+                      "--target-return", "auto", "--seed", "1", "--device", device,
                       "--no-tensorboard", "--output-dir", out, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
