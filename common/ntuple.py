@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.envs.connect_four import COLS, ROWS, boards_of, drop, legal_mask, wins
+from common.envs.connect_four import COLS, ROWS, boards_of, drop, legal_mask, winning_drops
 
 CELLS = ROWS * COLS
 CELL_STATES = 4  # empty not playable, the side that just moved, the other side, empty playable
@@ -185,18 +185,6 @@ class NTupleValue:
     def load(cls, path: str | Path) -> NTupleValue:
         with np.load(path) as saved:
             return cls(saved["tuples"], saved["weights"].astype(np.float32))
-
-
-def winning_drops(boards: np.ndarray, heights: np.ndarray) -> np.ndarray:
-    """``(n, 7)`` bool: the side to move (+1) completes four by dropping a disc in that column."""
-    n = len(boards)
-    legal = legal_mask(heights)
-    parent, col = np.nonzero(legal)
-    children = boards[parent].copy()
-    children[np.arange(len(parent)), heights[parent, col], col] = 1
-    out = np.zeros((n, COLS), dtype=bool)
-    out[parent, col] = wins(children, 1)
-    return out
 
 
 # ------------------------------------------------------------------ self-play TD

@@ -105,20 +105,22 @@ def boards_of(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return boards, (boards != 0).sum(axis=1)
 
 
+def winning_drops(boards: np.ndarray, heights: np.ndarray, legal: np.ndarray | None = None) -> np.ndarray:
+    """``(n, 7)`` bool: the columns (of ``legal``, by default those not full) where the side whose discs are +1
+    in ``boards`` completes four by dropping a disc."""
+    legal = legal_mask(heights) if legal is None else legal
+    parent, col = np.nonzero(legal)
+    children = boards[parent].copy()
+    children[np.arange(len(parent)), heights[parent, col], col] = 1
+    out = np.zeros((len(boards), COLS), dtype=bool)
+    out[parent, col] = wins(children, 1)
+    return out
+
+
 def winning_moves(obs: np.ndarray, action_mask: np.ndarray, plane: int) -> np.ndarray:
     """``(n, 7)`` bool: columns where the player of ``plane`` would complete four at once."""
-    n = obs.shape[0]
     boards, heights = boards_of(obs)  # +1 = side to move, -1 = the other side
-    piece = 1 if plane == 0 else -1
-    out = np.zeros((n, COLS), dtype=bool)
-    for col in range(COLS):
-        legal = np.flatnonzero(action_mask[:, col])
-        if legal.size == 0:
-            continue
-        trial = boards[legal].copy()
-        trial[np.arange(legal.size), heights[legal, col], col] = piece
-        out[legal, col] = wins(trial, piece)
-    return out
+    return winning_drops(boards if plane == 0 else -boards, heights, np.asarray(action_mask, dtype=bool))
 
 
 def draw_board(board: np.ndarray, cell: int = CELL_PIXELS) -> np.ndarray:
