@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,16 +37,31 @@ def machine_line() -> str:
             f"load average (1, 5, 15 min) {load}")
 
 
-def run_training(args: list[str], output_dir: Path, timeout: float) -> dict:
+def run_training(args: list[str], output_dir: Path, timeout: float, keep_at_s: tuple[float, ...] = ()) -> dict:
+    """Run parallel_train_dqn.py to its end; ``keep_at_s``: copy the run's newest checkpoint once that many
+    seconds have passed, to ``checkpoints/at_<seconds>s.pt`` (a training curve to grade afterwards)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    stderr_path = output_dir.parent / f"{output_dir.name}.stderr"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--output-dir", str(output_dir)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    with open(stderr_path, "w") as stderr:  # a file, not a pipe: nobody reads a pipe while the run goes on
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--output-dir", str(output_dir)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        pending = sorted(keep_at_s)
+        while proc.poll() is None and time.monotonic() - started < timeout:
+            time.sleep(0.05)  # the process's wall time is measured to this
+            latest = output_dir / "checkpoints" / "latest.pt"
+            if pending and time.monotonic() - started >= pending[0] and latest.exists():
+                shutil.copyfile(latest, output_dir / "checkpoints" / f"at_{pending.pop(0):g}s.pt")
+        if proc.poll() is None:
+            proc.kill()
+        returncode = proc.wait()
     wall = time.monotonic() - started
+    tail = stderr_path.read_text()[-500:]
+    stderr_path.unlink()
     summary_path = output_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return {"returncode": proc.returncode, "process_wall_s": wall, **summary,
-            "stderr_tail": proc.stderr[-500:] if proc.returncode else ""}
+    return {"returncode": returncode, "process_wall_s": wall, **summary, "stderr_tail": tail if returncode else ""}
 
 
 def bench_cartpole(opts) -> None:

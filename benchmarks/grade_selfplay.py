@@ -88,6 +88,29 @@ def graded_section(runs: list[tuple[int, Path]], depths: list[int], positions: i
     return lines
 
 
+def curve_section(runs: list[tuple[int, Path]], positions: int, games: int) -> list[str]:
+    """The raw policy of the checkpoints each run kept as it trained (``checkpoints/at_<s>s.pt``) and of its
+    final one, graded the same way: the training curve."""
+    import torch
+
+    lines = ["", "Training curve: the checkpoint the run held at each mark (written every 60 s, so up to a minute "
+             "before it) and the final one, graded the same way (raw policy).", "",
+             "| seed | training min | games | optimal | blunder | blunder 0-9 / 10-19 / 20-30 | as first (W/D/L) |",
+             "|---|---|---|---|---|---|---|"]
+    for seed, run_dir in runs:
+        kept = sorted((run_dir / "checkpoints").glob("at_*s.pt"), key=lambda p: float(p.stem[3:-1]))
+        for path in [*kept, run_dir / "checkpoints" / "latest.pt"]:
+            counters = torch.load(path, map_location="cpu", weights_only=False)["counters"]
+            r = grade_run(path, 0, positions, games)
+            bands = [b for b in r["positions"] if b != "all"]
+            first = " / ".join(f"{r['vs_perfect']['first'][k]:.0%}" for k in ("win", "draw", "loss"))
+            lines.append(f"| {seed} | {counters['wall_time'] / 60:.1f} | {counters['episodes']:,} | "
+                         f"{r['positions']['all']['optimal']:.1%} | {r['positions']['all']['blunder']:.1%} | "
+                         + " / ".join(f"{r['positions'][b]['blunder']:.0%}" for b in bands) + f" | {first} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", help="grade these run directories instead of training")
@@ -97,6 +120,8 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=30, help="random positions per ply (default 30)")
     parser.add_argument("--games", type=int, default=50, help="games against the perfect player from each seat")
     parser.add_argument("--search-depth", type=int, nargs="+", default=[0], help="lookahead depths (0 = raw policy)")
+    parser.add_argument("--curve", type=float, nargs="*", default=[], metavar="MINUTES",
+                        help="also grade the checkpoint each run holds after these minutes (a training curve)")
     parser.add_argument("--tag", default="", help="appended to the results file's name")
     parser.add_argument("--work-dir", default=str(ROOT / "runs" / "bench_parallel_dqn"))
     opts = parser.parse_args()
@@ -108,7 +133,8 @@ def main() -> None:
     for seed in [] if opts.runs else opts.seeds:
         run_dir = Path(opts.work_dir) / f"connect_four_{seed}_{int(time.time())}"
         result = run_training(["--seed", str(seed), "--duration", str(opts.minutes / 60), "--no-tensorboard",
-                               *shlex.split(opts.extra)], run_dir, opts.minutes * 60 + 600)
+                               *shlex.split(opts.extra)], run_dir, opts.minutes * 60 + 600,
+                              keep_at_s=tuple(60 * m for m in opts.curve))
         if result["returncode"]:
             raise SystemExit(f"training seed {seed} failed: {result['stderr_tail']}")
         runs.append((seed, run_dir))
@@ -122,6 +148,8 @@ def main() -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         lines.append(f"| {seed} | {summary['global_step']} | {summary['wall_time_s'] / 60:.1f} | `{run_dir}` |")
     lines += graded_section(runs, opts.search_depth, opts.positions, opts.games, opts.tag)
+    if opts.curve:
+        lines += curve_section(runs, opts.positions, opts.games)
     name = f"{opts.minutes:g}min" if not opts.runs else "runs"
     write(f"grade_selfplay_{name}{'_' + opts.tag if opts.tag else ''}.md", lines)
 

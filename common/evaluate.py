@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         policy, env, about = load(path, args.device)
         env_kwargs = {**env["kwargs"], **EVALUATION_KWARGS.get(env["id"], {}),
                       **opening_kwargs(env["id"], args.random_opening)}
+        if args.export and policy.spec["class"] == "NTupleValue":
+            raise EvaluationError(f"--export: {path} holds an n-tuple value function (look-up tables, "
+                                  "parallel_train_dqn.py --learner ntuple), not a network to export")
         player = lookahead_player(policy, env["id"], args.search_depth, args.seed)
         perfect = grading_perfect_play(env["id"], args.grade)  # before anything is played: a refusal comes first
         episodes, observations = play(player, env["id"], env_kwargs, args.episodes, args.seed,

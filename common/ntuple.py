@@ -124,6 +124,12 @@ class NTupleValue:
         self.drop_delta = drop_delta
         self.empty_index = self.base_indices(np.zeros((1, ROWS, COLS), dtype=np.int8), np.ones(1, np.int64))[0]
 
+    @property
+    def spec(self) -> dict:
+        """What a checkpoint records under ``policy`` (common/policy.py rebuilds the player from it)."""
+        count, length = self.tuples.shape
+        return {"class": "NTupleValue", "tuples": int(count), "length": int(length)}
+
     @classmethod
     def random(cls, count: int = 70, length: int = 8, seed: int = 0) -> NTupleValue:
         return cls(random_walk_tuples(count, length, seed))
@@ -201,6 +207,13 @@ class TrainConfig:
     random_opening: tuple[int, int] = (0, 8)  # each game opens with this many random plies (drawn uniformly)
     tanh_gradient: bool = True  # scale the TD error by tanh's slope (False: the error alone, as for a logistic loss)
 
+    def learning_rate_at(self, fraction: float) -> float:
+        """The step size ``fraction`` of the way through the budget (exponential decay)."""
+        return schedule(self.learning_rate, self.final_learning_rate, fraction)
+
+    def epsilon_at(self, fraction: float) -> float:
+        return self.epsilon + (self.final_epsilon - self.epsilon) * fraction
+
 
 @dataclass
 class Progress:
@@ -211,79 +224,101 @@ class Progress:
     epsilon: float
 
 
+class SelfPlay:
+    """``config.games_in_lockstep`` self-play games of ``value`` played together, one ply of all at a time,
+    each ply's TD updates applied to ``value.weights`` at once. Several processes can each run one over the
+    same weights in shared memory (lock-free: two processes adding to one entry at the same instant may
+    lose one of the adds, a rounding error to TD learning)."""
+
+    def __init__(self, value: NTupleValue, config: TrainConfig, seed: int):
+        self.value, self.config = value, config
+        self.rng = np.random.default_rng(seed)
+        n = self.n = config.games_in_lockstep
+        self.boards = np.zeros((n, ROWS, COLS), dtype=np.int8)  # +1 = the side to move
+        self.heights = np.zeros((n, COLS), dtype=np.int64)
+        self.base = np.tile(value.empty_index, (n, 1))  # the boards' base indices, kept up to date move by move
+        self.opening = self._openings(n)
+        self.previous_idx = np.zeros((n, value.active), dtype=np.int64)  # the afterstate the last mover left
+        self.previous_value = np.zeros(n, dtype=np.float32)
+        self.has_previous = np.zeros(n, dtype=bool)
+        self.hits = np.zeros(value.weights.size, dtype=np.float32)
+        self.all_ids = np.arange(n)
+        self.games = self.plies = 0
+        self.results = np.zeros(3, dtype=np.int64)  # finished games: first player won, drawn, second won
+
+    def _openings(self, count: int) -> np.ndarray:
+        low, high = self.config.random_opening
+        return self.rng.integers(low, high + 1, size=count)
+
+    def ply(self, learning_rate: float, epsilon: float) -> int:
+        """One move in every game, and the TD update of the afterstates the previous movers left; returns
+        how many games ended."""
+        value, n, rng = self.value, self.n, self.rng
+        boards, heights = self.boards, self.heights
+        mover_seat = heights.sum(axis=1) % 2
+        values, children, terminal = value.move_values(boards, heights, self.base)
+        best = values.max(axis=1)
+        # TD(0): the afterstate the previous mover left is worth minus the best the side to move can do.
+        update = np.flatnonzero(self.has_previous)
+        if update.size:
+            v = self.previous_value[update]
+            steps = (learning_rate / value.active) * (-best[update] - v)
+            if self.config.tanh_gradient:
+                steps *= 1.0 - v * v
+            apply_mean_updates(value.weights, self.hits, self.previous_idx[update], steps)
+        legal = np.isfinite(values)
+        greedy = (values + rng.random(values.shape, dtype=np.float32) * 1e-6).argmax(axis=1)  # random ties
+        random_move = (heights.sum(axis=1) < self.opening) | (rng.random(n) < epsilon)
+        cumulative = np.cumsum(legal, axis=1)
+        draws = (rng.random(n) * cumulative[:, -1]).astype(np.int64)
+        random_cols = (cumulative > draws[:, None]).argmax(axis=1)
+        actions = np.where(random_move, random_cols, greedy)
+        ended = terminal[self.all_ids, actions]
+        finished = np.flatnonzero(ended)
+        won = winning_drops(boards[finished], heights[finished])[np.arange(finished.size), actions[finished]]
+        self.base = children[self.all_ids, actions]
+        self.previous_idx[:] = self.base + (mover_seat * value.seat_size)[:, None]
+        self.previous_value[:] = values[self.all_ids, actions]
+        self.has_previous[:] = ~ended
+        drop(boards, heights, self.all_ids, actions, 1)
+        boards *= -1  # the other side moves next: it is +1 now
+        self.plies += n
+        if finished.size:  # four in a row, or a full board (a draw)
+            first_moved = mover_seat[finished] == 0
+            self.results += [np.sum(won & first_moved), np.sum(~won), np.sum(won & ~first_moved)]
+            boards[finished] = 0
+            heights[finished] = 0
+            self.base[finished] = value.empty_index
+            self.opening[finished] = self._openings(finished.size)
+            self.games += finished.size
+        return int(finished.size)
+
+
 def train(value: NTupleValue, minutes: float | None = None, games: int | None = None, seed: int = 0,
           config: TrainConfig | None = None, callback: Callable[[Progress], None] | None = None,
           callback_every_s: float = 60.0) -> Progress:
-    """Self-play TD(0) on ``value`` for ``minutes`` of wall time or ``games`` finished games (the first
-    reached); ``callback(progress)`` every ``callback_every_s`` seconds of training before the end (its own
-    time is not counted). Returns the final progress."""
+    """Self-play TD(0) on ``value`` in this process for ``minutes`` of wall time or ``games`` finished games
+    (the first reached); ``callback(progress)`` every ``callback_every_s`` seconds of training before the end
+    (its own time is not counted). Returns the final progress."""
     if minutes is None and games is None:
         raise ValueError("train needs minutes or games")
     config = config or TrainConfig()
-    rng = np.random.default_rng(seed)
-    n = config.games_in_lockstep
-    boards = np.zeros((n, ROWS, COLS), dtype=np.int8)  # +1 = the side to move
-    heights = np.zeros((n, COLS), dtype=np.int64)
-    base = np.tile(value.empty_index, (n, 1))  # the boards' base indices, kept up to date move by move
-    opening = rng.integers(config.random_opening[0], config.random_opening[1] + 1, size=n)
-    previous_idx = np.zeros((n, value.active), dtype=np.int64)  # the afterstate the last mover left
-    previous_value = np.zeros(n, dtype=np.float32)
-    has_previous = np.zeros(n, dtype=bool)
-    hits = np.zeros(value.weights.size, dtype=np.float32)
-    all_ids = np.arange(n)
-    done_games = plies = 0
+    play = SelfPlay(value, config, seed)
     trained_s = 0.0
     budget_s = None if minutes is None else minutes * 60.0
     next_callback = callback_every_s
     started = time.monotonic()
 
     def fraction() -> float:
-        parts = [trained_s / budget_s if budget_s else 0.0, done_games / games if games else 0.0]
+        parts = [trained_s / budget_s if budget_s else 0.0, play.games / games if games else 0.0]
         return min(1.0, max(parts))
 
     def progress() -> Progress:
         f = fraction()
-        return Progress(done_games, plies, trained_s, schedule(config.learning_rate, config.final_learning_rate, f),
-                        config.epsilon + (config.final_epsilon - config.epsilon) * f)
+        return Progress(play.games, play.plies, trained_s, config.learning_rate_at(f), config.epsilon_at(f))
 
     while fraction() < 1.0:
-        f = fraction()
-        lr = schedule(config.learning_rate, config.final_learning_rate, f)
-        epsilon = config.epsilon + (config.final_epsilon - config.epsilon) * f
-        mover_seat = heights.sum(axis=1) % 2
-        values, children, terminal = value.move_values(boards, heights, base)
-        best = values.max(axis=1)
-        # TD(0): the afterstate the previous mover left is worth minus the best the side to move can do.
-        update = np.flatnonzero(has_previous)
-        if update.size:
-            v = previous_value[update]
-            steps = (lr / value.active) * (-best[update] - v)
-            if config.tanh_gradient:
-                steps *= 1.0 - v * v
-            apply_mean_updates(value.weights, hits, previous_idx[update], steps)
-        legal = np.isfinite(values)
-        greedy = (values + rng.random(values.shape, dtype=np.float32) * 1e-6).argmax(axis=1)  # random ties
-        random_move = (heights.sum(axis=1) < opening) | (rng.random(n) < epsilon)
-        cumulative = np.cumsum(legal, axis=1)
-        draws = (rng.random(n) * cumulative[:, -1]).astype(np.int64)
-        random_cols = (cumulative > draws[:, None]).argmax(axis=1)
-        actions = np.where(random_move, random_cols, greedy)
-        ended = terminal[all_ids, actions]
-        base = children[all_ids, actions]
-        previous_idx[:] = base + (mover_seat * value.seat_size)[:, None]
-        previous_value[:] = values[all_ids, actions]
-        has_previous[:] = ~ended
-        drop(boards, heights, all_ids, actions, 1)
-        boards *= -1  # the other side moves next: it is +1 now
-        plies += n
-        finished = np.flatnonzero(ended)
-        if finished.size:
-            boards[finished] = 0
-            heights[finished] = 0
-            base[finished] = value.empty_index
-            opening[finished] = rng.integers(config.random_opening[0], config.random_opening[1] + 1,
-                                             size=finished.size)
-            done_games += finished.size
+        play.ply(config.learning_rate_at(fraction()), config.epsilon_at(fraction()))
         now = time.monotonic()
         trained_s += now - started
         started = now
@@ -311,3 +346,47 @@ def apply_mean_updates(weights: np.ndarray, hits: np.ndarray, indices: np.ndarra
     share = torch.from_numpy(np.repeat(steps.astype(np.float32), indices.shape[1])) / hits_t[flat]
     torch.from_numpy(weights).index_add_(0, flat, share)  # the shares of an entry's rows add up to their mean
     hits_t[flat] = 0.0
+
+
+# ------------------------------------------------------------------ self-play processes over shared weights
+
+# The shared arrays of a run's self-play processes (parallel_train_dqn.py --learner ntuple): ``weights``
+# (the LUTs, float32), ``control`` (float64: the learning rate and epsilon the coordinator sets as the budget
+# goes) and ``counts`` (int64, one row per process, the coordinator's first: games, plies, and the games
+# the first player won, drew and lost).
+LEARNING_RATE, EPSILON = 0, 1
+GAMES, PLIES, FIRST_WON, DRAWN, FIRST_LOST = range(5)
+
+
+def count_row(play: SelfPlay) -> np.ndarray:
+    return np.array([play.games, play.plies, *play.results], dtype=np.int64)
+
+
+def selfplay_worker(link, shared_specs: dict, tuples: np.ndarray, config: TrainConfig, seed: int) -> None:
+    """A self-play process (run by common.supervisor, which reports a death and restarts it): lockstep
+    games over the shared weights until told to stop. It adds what it played to its row of ``counts``, so
+    a restarted worker's games still count."""
+    from common.shm import attach_all
+    from common.supervisor import set_torch_threads
+
+    set_torch_threads(1)
+    shared, handles = attach_all(shared_specs)
+    try:
+        play = SelfPlay(NTupleValue(tuples, shared["weights"]), config, seed)
+        row, control = shared["counts"][link.index + 1], shared["control"]
+        reported = count_row(play)
+        link.ready()
+        while not link.stop_requested:
+            for command, _ in link.commands():
+                if command != "stop":
+                    raise ValueError(f"self-play worker {link.index}: unknown command {command!r}")
+            if link.stop_requested:
+                break
+            play.ply(float(control[LEARNING_RATE]), float(control[EPSILON]))
+            now = count_row(play)
+            row += now - reported
+            reported = now
+    finally:
+        shared.clear()
+        for handle in handles:
+            handle.close()

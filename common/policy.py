@@ -60,8 +60,14 @@ def load_policy(path: str | Path, device: str = "cpu") -> Policy:
     return policy_from_state(load_checkpoint(path, map_location=device, required=("model", "policy")), device)
 
 
-def policy_from_state(state: dict, device: str = "cpu") -> Policy:
-    """The policy of an already loaded checkpoint dict (its ``policy``, ``model`` and ``obs_norm`` entries)."""
+def policy_from_state(state: dict, device: str = "cpu"):
+    """The policy of an already loaded checkpoint dict (its ``policy``, ``model`` and ``obs_norm`` entries):
+    a :class:`Policy`, or for parallel_train_dqn.py's n-tuple learner the ``NTupleValue`` (common/ntuple.py),
+    which acts the same way (``act(obs, action_mask)``) but is no network."""
+    if state["policy"]["class"] == "NTupleValue":
+        from common.ntuple import NTupleValue
+
+        return NTupleValue(state["model"]["tuples"].numpy(), state["model"]["weights"].numpy().copy())
     network = build_network(state["policy"])
     network.load_state_dict(state["model"])
     return Policy(network, state["policy"], state.get("obs_norm")).to(device).eval()

@@ -78,6 +78,7 @@ class Mode:
     actions: tuple[str, ...] = ("Discrete", "Box")  # action spaces the mode trains
     checkpoint_pattern: str = r".*\.pt"  # files --resume auto considers
     resume_requires: tuple[str, ...] = ("model",)  # keys a checkpoint to continue from must have
+    resume_must_match: tuple[str, ...] = ()  # settings a checkpoint must share to be continued (beyond env, widths)
     metrics_columns: list[str] = field(default_factory=list)  # metrics.csv columns after the core ones
     env_kwargs: Callable[[Any], dict] = lambda cfg: {}  # gymnasium.make kwargs from the config (plain values)
     check: Callable[[Any, EnvInfo], None] | None = None  # the mode's own checks (RAM, /dev/shm ...): ConfigError
@@ -121,7 +122,8 @@ def prepare(mode: Mode, argv: list[str] | None,
         cfg.resume = "auto"  # torchrun restarted the job (--max-restarts): continue from its newest checkpoint
     resume_path, state = (None, None)
     if not (mode.distributed and torchrun_rank() > 0):  # rank 0 loads it and hands it to the others
-        resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires)
+        resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires,
+                                         mode.resume_must_match)
     if resume_path is not None and cfg.output_dir is None:
         cfg.output_dir = str(checkpoint_run_dir(resume_path))
     run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(mode.script, cfg.env_id, cfg.seed)
@@ -287,7 +289,8 @@ def open_distributed_run(mode: Mode, cfg: Any, env: EnvInfo, run_dir: Path, resu
     restarted = distributed.start_together(dist, elastic_restarts() > 0)  # StartRefused: a rank's config is bad
     if restarted and dist.is_main and cfg.resume is None:
         cfg.resume = "auto"
-        resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires)
+        resume_path, state = load_resume(mode.script, cfg, mode.checkpoint_pattern, mode.resume_requires,
+                                         mode.resume_must_match)
         if resume_path is not None and cfg.output_dir is None:
             run_dir = checkpoint_run_dir(resume_path)
     resume_path, state = dist.broadcast_object((resume_path, state))

@@ -211,8 +211,10 @@ def resume_checkpoint(resume: str, output_dir: str | None, script: str, env_id: 
     return path
 
 
-def load_resume(script: str, cfg: Any, pattern: str, required: tuple[str, ...]) -> tuple[Path | None, dict | None]:
-    """Find and check the checkpoint to continue; ConfigError names what does not match."""
+def load_resume(script: str, cfg: Any, pattern: str, required: tuple[str, ...],
+                must_match: tuple[str, ...] = ()) -> tuple[Path | None, dict | None]:
+    """Find and check the checkpoint to continue; ConfigError names what does not match (the env, the network
+    widths, and the mode's own ``must_match`` settings)."""
     if cfg.resume is None:
         return None, None
     from common.checkpoint import CheckpointError, load_checkpoint
@@ -227,7 +229,7 @@ def load_resume(script: str, cfg: Any, pattern: str, required: tuple[str, ...]) 
     saved = state["config"]
     if state["script"] != script:
         raise ConfigError("resume", str(path), f"is a checkpoint of {state['script']}.py, not of {script}.py")
-    for name in ("env_id", "hidden_sizes"):
+    for name in ("env_id", "hidden_sizes", *must_match):
         if hasattr(cfg, name) and name in saved and saved[name] != getattr(cfg, name):
             raise ConfigError("resume", str(path), f"was trained with {name} {saved[name]!r}, "
                                                    f"not {getattr(cfg, name)!r}")

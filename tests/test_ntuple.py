@@ -1,12 +1,24 @@
-"""The n-tuple value function and its self-play TD learner (common/ntuple.py)."""
+"""The n-tuple value function and its self-play TD learner (common/ntuple.py), and the learner as
+parallel_train_dqn.py's ``--learner ntuple``."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
+import torch
+from conftest import ROOT, kill_tree, run_script, script_env, start_script
 
+from common.checkpoint import load_checkpoint
 from common.envs.connect_four import COLS, ROWS, RandomPlayer, drop, legal_mask, observe, play_match
-from common.ntuple import NTupleValue, TrainConfig, random_walk_tuples, train
+from common.ntuple import NTupleValue, SelfPlay, TrainConfig, random_walk_tuples, train
+from common.policy import load_policy
+from common.runlog import read_metrics
 
 
 def random_boards(count: int, seed: int) -> np.ndarray:
@@ -146,3 +158,86 @@ def test_act_plays_observations_of_the_env():
     assert value.act(observe(boards), mask).tolist() == [3, 3]
     mask[1, 3] = False
     assert value.act(observe(boards), mask)[1] != 3
+
+
+# ------------------------------------------------------------------ parallel_train_dqn.py --learner ntuple
+
+NTUPLE_RUN = ["--learner", "ntuple", "--ntuple-tuples", "40", "--ntuple-length", "6", "--ntuple-games-in-lockstep",
+              "256", "--num-workers", "1", "--duration", "none", "--eval-interval", "0", "--eval-episodes", "20",
+              "--no-tensorboard", "--checkpoint-interval-s", "2"]
+
+
+def test_self_play_counts_every_game_once_and_by_its_result():
+    value = NTupleValue.random(count=8, length=4, seed=20)
+    play = SelfPlay(value, TrainConfig(games_in_lockstep=64), seed=21)
+    ended = sum(play.ply(0.5, 0.2) for _ in range(400))
+    assert ended == play.games == play.results.sum() > 0 and play.plies == 400 * 64
+    assert play.results[0] > 0 and play.results[2] > 0  # both seats win games
+
+
+def test_the_ntuple_learner_trains_on_two_processes_survives_a_worker_death_stops_and_resumes(tmp_path):
+    """Self-play in the main process and a worker over one shared table: a worker that dies is reported and
+    restarted, Ctrl+C saves and exits 130, --resume continues the counts, the games and the learning, and
+    the checkpoint plays and is graded through common.evaluate."""
+    run_dir = tmp_path / "run"
+    proc = start_script("parallel_train_dqn.py", *NTUPLE_RUN, "--total-timesteps", str(10**9), "--output-dir",
+                        run_dir, env={"PRL_INJECT_FAULT": "raise:0:4"})  # worker 0 raises at its 4th message
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = read_metrics(run_dir / "metrics.csv") if (run_dir / "metrics.csv").exists() else []
+            if rows and float(rows[-1]["worker_restarts"]) >= 1 and (run_dir / "checkpoints" / "latest.pt").exists():
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 130, out[-2000:]
+    assert "fault injected into worker 0" in out
+    first = json.loads((run_dir / "summary.json").read_text())
+    assert first["learner"] == "ntuple" and first["worker_restarts"] == 1 and first["global_step"] > 0
+    assert sum(first["self_play_results"].values()) == first["episodes"] > 0
+
+    more = first["global_step"] + 400_000
+    done = run_script("parallel_train_dqn.py", *NTUPLE_RUN, "--total-timesteps", more, "--output-dir", run_dir,
+                      "--resume", "auto", timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] and more <= summary["global_step"] < more + 200_000
+    assert summary["episodes"] > first["episodes"]
+    assert sum(summary["self_play_results"].values()) == summary["episodes"]
+    assert summary["final_eval"]["eval_win_random"] >= 0.9, summary["final_eval"]
+    rows = read_metrics(run_dir / "metrics.csv")
+    steps = [int(r["global_step"]) for r in rows]
+    assert steps == sorted(steps) and steps[0] < first["global_step"] < steps[-1]  # one run, continued
+
+    state = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
+    assert state["learner"] == "ntuple" and state["counters"]["global_step"] == summary["global_step"]
+    graded = subprocess.run([sys.executable, "-m", "common.evaluate", str(run_dir), "--episodes", "10", "--grade",
+                             "2", "--json"], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert graded.returncode == 0, graded.stderr[-2000:]
+    report = json.loads(graded.stdout)
+    assert report["opponents"]["random"]["both"]["win"] >= 0.9
+    assert 0 < report["graded"]["positions"]["all"]["optimal"] <= 1
+
+
+def test_the_ntuple_learner_is_refused_where_it_cannot_run(tmp_path):
+    wrong_env = run_script("parallel_train_dqn.py", "--learner", "ntuple", "--env-id", "CartPole-v1",
+                           "--validate-only")
+    assert wrong_env.returncode == 2 and "learns ConnectFour-v0 only" in wrong_env.stderr
+    q_run = tmp_path / "q"
+    (q_run / "checkpoints").mkdir(parents=True)
+    torch.save({"script": "parallel_train_dqn", "config": {"env_id": "ConnectFour-v0", "learner": "q_network"},
+                "model": {}}, q_run / "checkpoints" / "latest.pt")
+    other = run_script("parallel_train_dqn.py", *NTUPLE_RUN, "--resume", q_run / "checkpoints" / "latest.pt",
+                       "--validate-only")
+    assert other.returncode == 2 and "was trained with learner 'q_network'" in other.stderr
+    value = NTupleValue.random(count=4, length=4, seed=0)
+    state = {"model": {"tuples": torch.from_numpy(value.tuples), "weights": torch.from_numpy(value.weights)},
+             "policy": value.spec, "env": {"id": "ConnectFour-v0", "kwargs": {}}, "script": "parallel_train_dqn"}
+    torch.save(state, tmp_path / "ntuple.pt")
+    assert isinstance(load_policy(tmp_path / "ntuple.pt"), NTupleValue)
+    export = subprocess.run([sys.executable, "-m", "common.evaluate", str(tmp_path / "ntuple.pt"), "--export",
+                             str(tmp_path / "x.onnx")], cwd=ROOT, env=script_env(), capture_output=True, text=True)
+    assert export.returncode == 2 and "n-tuple value function" in export.stderr
