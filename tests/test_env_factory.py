@@ -168,7 +168,9 @@ def test_the_manager_plays_the_users_env_made_with_env_configs_keys():
         assert manager.observation_space.shape == (25,) and manager.action_space.n == 25 and manager.action_mask
         manager.start_workers(wait=True)
         episodes = [e for batch in manager.collect_experiences() for e in batch.episodes]
-        assert len(episodes) == 3
+        # a batch of 3 games, or two: the worker may play one batch ahead (experience_queue_size), and on a
+        # busy machine the second is often in by the time the collection starts
+        assert len(episodes) in (3, 6)
         for episode in episodes:
             assert (episode["board_size"], episode["max_moves"], episode["length"]) == (5.0, 7.0, 7)
             # the masks the workers read from the env: every move on a cell that was empty, then taken (a
