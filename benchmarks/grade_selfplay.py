@@ -139,10 +139,11 @@ def main() -> None:
             raise SystemExit(f"training seed {seed} failed: {result['stderr_tail']}")
         runs.append((seed, run_dir))
     trained = "made before, graded as they are (the table: from their summary.json)" if opts.runs else (
-        f"`python parallel_train_dqn.py --seed S --duration {opts.minutes / 60:g}`"
-        f"{' ' + opts.extra if opts.extra else ''}, one seed after another")
+        f"`python parallel_train_dqn.py --seed S --duration {opts.minutes / 60:g}"
+        f"{' ' + opts.extra if opts.extra else ''}`, one seed after another")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play graded by a perfect player", "",
-             f"Runs: {trained}.", "", f"- before: {load_before}", "", "| seed | env steps | minutes | run |",
+             f"Runs: {trained}.", "", f"- command: `python benchmarks/grade_selfplay.py {shlex.join(sys.argv[1:])}`",
+             f"- before: {load_before}", "", "| seed | env steps | minutes | run |",
              "|---|---|---|---|"]
     for seed, run_dir in runs:
         summary = json.loads((run_dir / "summary.json").read_text())

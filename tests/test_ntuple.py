@@ -199,7 +199,7 @@ def test_the_ntuple_learner_trains_on_two_processes_survives_a_worker_death_stop
     assert first["learner"] == "ntuple" and first["worker_restarts"] == 1 and first["global_step"] > 0
     assert sum(first["self_play_results"].values()) == first["episodes"] > 0
 
-    more = first["global_step"] + 400_000
+    more = first["global_step"] + 150_000
     done = run_script("parallel_train_dqn.py", *NTUPLE_RUN, "--total-timesteps", more, "--output-dir", run_dir,
                       "--resume", "auto", timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
