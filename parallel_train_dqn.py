@@ -110,7 +110,9 @@ class Config(RunConfig):
     # --learner ntuple (common/ntuple.py); the settings above it uses: num_workers (self-play processes beside the
     # main process, which plays too), seed, the budgets, eval_interval (in iterations of 32 lockstep plies),
     # eval_episodes and the targets. The defaults won short comparisons graded by the perfect player.
-    ntuple_tuples: int = 70  # random-walk tuples of adjacent cells, drawn from the seed
+    # More tuples play fewer games a second but learn more from each: graded after 15 minutes on 2 cores,
+    # 280 beat 140 and 70 (docs/parallel_train_dqn.md). 2 x 280 x 4 ** 8 float32 weights are 147 MB.
+    ntuple_tuples: int = 280  # random-walk tuples of adjacent cells, drawn from the seed
     ntuple_length: int = 8  # cells per tuple: each tuple's table has 4 ** length entries per seat
     ntuple_learning_rate: float = 1.0  # TD step at the start, shared by the entries a board reads
     ntuple_final_learning_rate: float = 0.2  # at the end of the budget (exponential decay between)
