@@ -127,7 +127,6 @@ class NTupleValue:
                     if row + 1 < ROWS:
                         drop_delta[seat, row, col] += place[(row + 1) * COLS + col] * 3
         self.drop_delta = drop_delta.astype(self.index_dtype)
-        self.weights_t = torch.from_numpy(self.weights)  # the same memory, for torch's faster gather
         self.empty_index = self.base_indices(np.zeros((1, ROWS, COLS), dtype=np.int8), np.ones(1, np.int64))[0]
 
     @property
@@ -153,10 +152,12 @@ class NTupleValue:
         return self.base_indices(boards, seats) + (seats * self.seat_size)[:, None]
 
     def values_at(self, indices: np.ndarray) -> np.ndarray:
-        """``tanh`` of the sum of the entries at ``indices`` over the last axis. torch gathers (about a
-        quarter faster than ``np.take`` here, and it takes int32 indices as they are); numpy sums."""
+        """``tanh`` of the sum of the entries at ``indices`` over the last axis. torch gathers (it takes int32
+        indices as they are: benchmarks/bench_ntuple_ply.py times the ply this is part of); numpy sums, in
+        the order it always did."""
         flat = torch.from_numpy(np.ascontiguousarray(indices).reshape(-1))
-        return np.tanh(self.weights_t.index_select(0, flat).numpy().reshape(indices.shape).sum(axis=-1))
+        picked = torch.from_numpy(self.weights).index_select(0, flat).numpy()
+        return np.tanh(picked.reshape(indices.shape).sum(axis=-1))
 
     def values(self, boards: np.ndarray, seats: np.ndarray | None = None) -> np.ndarray:
         """``(n,)`` learned value for the side that just moved (its discs +1) of each board, in (-1, 1)."""
