@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import itertools
 import json
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from collections import deque
@@ -130,11 +132,12 @@ class MetricsWriter:
         self._file.flush()
         board = self._board()
         if board is not None:
-            step = int(row.get("global_step", 0))
+            scalars = {}
             for key, value in row.items():
                 tag = TB_TAGS.get(key, f"prl/{key}")
                 if tag and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    board.add_scalar(tag, value, step)
+                    scalars[tag] = value
+            board.add_scalars(scalars, int(row.get("global_step", 0)))
         if self.tracker is not None:
             self.tracker.log_row(row, member)
 
@@ -142,8 +145,8 @@ class MetricsWriter:
         """One finished episode, in TensorBoard (metrics.csv has their mean per row)."""
         board = self._board()
         if board is not None:
-            board.add_scalar("charts/episodic_return", episodic_return, global_step)
-            board.add_scalar("charts/episodic_length", episodic_length, global_step)
+            board.add_scalars({"charts/episodic_return": episodic_return, "charts/episodic_length": episodic_length},
+                              global_step)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -156,24 +159,55 @@ class MetricsWriter:
 
 
 class ScalarBoard:
-    """TensorBoard scalars through tensorboard's own event-file writer: the events torch's
-    ``SummaryWriter.add_scalar`` writes (it uses the same writer), without importing torch, which a
-    run that learns in numpy never needs otherwise (1.4 s of its start on 2 cores)."""
+    """TensorBoard scalars in an event file written by tensorboard's own record writer, in the caller's
+    thread, without importing torch, which a run that learns in numpy never needs otherwise (1.4 s of
+    its start on 2 cores).
+
+    torch's ``SummaryWriter`` (through tensorboard's ``EventFileWriter``) hands every scalar to a writer
+    thread through a queue 10 deep, so a training loop blocks on it and pays a thread switch per
+    scalar: 0.6 s for the 4,600 scalars of a CartPole run to 475, where writing them costs 0.07 s. Here
+    one event holds every scalar of a metrics row (TensorBoard reads each value of an event as its own
+    scalar), and the file is flushed at most every ``FLUSH_INTERVAL_S`` seconds and at the end.
+    """
+
+    FLUSH_INTERVAL_S = 5.0
+    _made = itertools.count()  # one process may write several boards in the same second
 
     def __init__(self, log_dir: Path):
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
         self._event, self._summary = Event, Summary
-        self._writer = EventFileWriter(str(log_dir))
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # The name EventFileWriter gives (TensorBoard finds files by the "events.out.tfevents" part).
+        made = next(ScalarBoard._made)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{made}"
+        self._file = open(log_dir / name, "wb")
+        self._records = RecordWriter(self._file)
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
 
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
-        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        """One event at ``step`` holding a scalar per tag."""
+        if values:
+            summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))
+                                           for tag, value in values.items()])
+            self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+            if time.monotonic() >= self._next_flush:
+                self.flush()
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._next_flush = time.monotonic() + self.FLUSH_INTERVAL_S
 
     def close(self) -> None:
-        self._writer.close()
+        if not self._file.closed:
+            self._file.close()
 
 
 def _csv_value(value: Any) -> Any:

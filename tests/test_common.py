@@ -584,3 +584,26 @@ def test_budget_used_is_the_largest_fraction_of_steps_episodes_and_this_invocati
     assert used(deadline_in_s=2700, duration=1.0) == pytest.approx(0.25, abs=1e-3)  # 15 of 60 min gone
     assert used(deadline_in_s=2700, steps=600, duration=1.0, total_timesteps=1000) == pytest.approx(0.6)
     assert used(deadline_in_s=-5, duration=1.0) == 1.0
+
+
+def test_metrics_rows_and_episodes_reach_tensorboard_with_their_values_and_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from common.runlog import MetricsWriter
+
+    metrics = MetricsWriter(tmp_path, ["policy_loss"])
+    metrics.write({"wall_time": 1.0, "global_step": 1024, "sps": 500.0, "policy_loss": -0.25, "flag": True})
+    metrics.episode(1500, 21.0, 21)
+    metrics.write({"wall_time": 2.0, "global_step": 2048, "sps": 600.0, "policy_loss": float("nan")})
+    metrics.close()
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    board = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    board.Reload()
+
+    def read(tag):
+        return [(e.step, e.value) for e in board.Scalars(tag)]
+
+    assert read("charts/SPS") == [(1024, 500.0), (2048, 600.0)]
+    assert read("losses/policy_loss") == [(1024, -0.25)]  # NaN and booleans are not scalars
+    assert read("charts/episodic_return") == [(1500, 21.0)] and read("charts/episodic_length") == [(1500, 21.0)]
+    assert "prl/flag" not in board.Tags()["scalars"]
