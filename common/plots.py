@@ -202,7 +202,9 @@ def serve() -> int:
         return 0
     for plot in json.loads(line):
         print(json.dumps({"error": draw(plot)}), flush=True)
-    return 0
+    # The run waits for this process to end. Every plot is saved and answered, and nothing else is held, so
+    # skip the interpreter's teardown of matplotlib's modules: 0.1-0.2 s at the end of every run.
+    os._exit(0)
 
 
 if __name__ == "__main__":
