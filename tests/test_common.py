@@ -139,6 +139,22 @@ def test_vector_env_reports_episodes_and_final_observation():
     assert total >= 10
 
 
+def test_cartpoles_vector_action_check_answers_as_multidiscrete_does():
+    from gymnasium.spaces import MultiDiscrete
+
+    envs = make_vec_env("CartPole-v1", 3, seed=0)
+    fast, reference = envs.env.action_space, MultiDiscrete([2, 2, 2])
+    assert type(fast).__name__ == "SameActionsEverywhere"  # the env's own step asserts membership with it
+    candidates = [np.array([0, 1, 1]), np.array([0, 2, 1]), np.array([-1, 0, 0]), np.array([0, 1]),
+                  np.array([[0, 1, 1]]), np.array([0, 1, 1], dtype=np.int8), np.array([0, 1, 1], dtype=np.uint8),
+                  np.array([0, 1, 1], dtype=np.uint64), np.array([0.0, 1.0, 1.0]), [0, 1, 1], [0, 1, 2]]
+    for x in candidates:
+        assert fast.contains(x) == reference.contains(x), x
+    envs.reset()
+    with pytest.raises(AssertionError):
+        envs.step(np.array([0, 2, 1]))
+
+
 # ------------------------------------------------------------------ GAE
 
 def test_gae_matches_hand_computation_with_termination_and_truncation():
