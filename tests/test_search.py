@@ -265,6 +265,12 @@ def test_trials_at_once_come_from_the_launchers_plan(tmp_path, capsys):
     assert not (tmp_path / "search").exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("search_*.yaml")), ids=lambda p: p.stem)
+def test_every_search_file_the_project_ships_plans(capsys, path):
+    status, out, err = dry_run(capsys, "--search", str(path))
+    assert status == 0 and f"search {path.stem}: train_parallel_timed.py" in out, err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"ranges": {"learning_rat": {"low": 0.001, "high": 0.01}}}, "ranges.learning_rat: not a field of the script"),
     ({"ranges": {"learning_rate": {"low": 0.01, "high": 0.001}}}, "low 0.01 must be below high 0.001"),
