@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import psutil
 
 from common.checkpoint import latest_checkpoint
 from common.distributed import PeerFailure
@@ -379,6 +380,35 @@ class MemberForwarder:
         return Parcel.unwire(reply.message, reply.message_arrays).deliver(self.base, self.places)
 
 
+SCRATCH_PREFIX = "prl-population-rank"  # a node's scratch directory: <tmp>/prl-population-rank<rank>-<pid>-<random>
+
+
+def make_scratch(rank: int) -> Path:
+    """A new scratch directory for the node of ``rank``, named with this process's pid. A node removes its own at
+    the end, but one killed with kill -9 cannot: the next node to start on the machine removes every scratch
+    directory whose process is gone (:func:`reclaim_stale_scratch`), as a run reclaims dead runs' shared memory."""
+    reclaim_stale_scratch()
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{rank}-{os.getpid()}-"))
+
+
+def reclaim_stale_scratch(base: Path | None = None) -> list[Path]:
+    """Remove the scratch directories under ``base`` (the temporary directory) whose node process no longer exists."""
+
+    def running(pid: int) -> bool:  # a killed process nobody has reaped yet is gone too
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    removed = []
+    for path in Path(base or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        match = re.fullmatch(rf"{SCRATCH_PREFIX}\d+-(\d+)-\w+", path.name)
+        if match and path.is_dir() and not running(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class PopulationNode:
     """A rank other than 0 under torchrun: this node's members, coordinated by rank 0.
 
@@ -392,7 +422,7 @@ class PopulationNode:
         self.run, self.members, cfg = run, members, run.cfg
         self.first = run.dist.rank * cfg.num_workers
         run.counters.update(global_step=0, episodes=0, updates=0)  # this node's own, for its last log lines
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"prl-population-rank{run.dist.rank}-"))
+        self.scratch = make_scratch(run.dist.rank)
         run.defer(shutil.rmtree, self.scratch, True)
         for sub in ("checkpoints", "logs"):
             (self.scratch / sub).mkdir()

@@ -11,8 +11,8 @@ rank 0's death (node 1 ends at once and leaves nothing behind), --validate-only.
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +28,7 @@ from test_faults import log_text, rows, wait_until
 from common.checkpoint import load_checkpoint
 from common.config import parse_args
 from common.envs.market import load_market_data
-from common.population_relay import FILE_PLACES, REPORTS, Parcel, check_parcel, fingerprint
+from common.population_relay import FILE_PLACES, REPORTS, Parcel, check_parcel, fingerprint, reclaim_stale_scratch
 from common.run import FlatConfig, probe_env
 from common.shm import reclaim_stale_segments
 from train_ppo_multiprocess import MODE
@@ -54,6 +54,18 @@ def scratch_of(node_log: str) -> Path:
 
 def rank_exit(node_log: str, rank: int) -> int:
     return int(re.search(rf"\[rank {rank}\] exit status (\d+)", node_log).group(1))
+
+
+def test_scratch_directories_of_dead_nodes_are_reclaimed_and_no_other(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a node process that has exited (kill -9 leaves the same)
+    dead = tmp_path / f"prl-population-rank1-{gone.pid}-abc_123"
+    live = tmp_path / f"prl-population-rank1-{os.getpid()}-def456"
+    others = [tmp_path / "prl-population-rank1-0zxs79vr", tmp_path / "unrelated-123-abc"]  # not a node's name
+    for path in (dead, live, *others):
+        (path / "checkpoints").mkdir(parents=True)
+    assert reclaim_stale_scratch(tmp_path) == [dead]
+    assert not dead.exists() and live.is_dir() and all(p.is_dir() for p in others)
 
 
 @pytest.mark.timeout(180)
@@ -145,13 +157,15 @@ def test_kill_9_of_node_1_rank_0_goes_on_and_reports_its_member(tmp_path):
         assert summary["workers"][1]["lost"].startswith("rank 1 lost") and summary["workers"][0]["finished"]
         assert [r["worker"] for r in summary["leaderboard"]] == [0] and (out / "best.pt").is_file()
     finally:
-        # What kill -9 may leave of node 1: its scratch directory (a batch system cleans $TMPDIR) and its copy
-        # of the market cache, which the next run on that node reclaims.
+        # What kill -9 leaves of node 1: its scratch directory and its copy of the market cache, which the next
+        # node (or run) to start on that machine reclaims.
         node_log = (tmp_path / "node1.log").read_text(errors="replace") if (tmp_path / "node1.log").exists() else ""
-        if "as they report them, from" in node_log:
-            shutil.rmtree(scratch_of(node_log), ignore_errors=True)
+        scratch = scratch_of(node_log) if "as they report them, from" in node_log else None
+        left = scratch is not None and scratch.is_dir()
+        reclaim_stale_scratch()  # (a test beside this one may have reclaimed it first)
         reclaim_stale_segments()
     assert not list(SHM.glob(f"prl_{rank_1}_*"))
+    assert scratch is not None and not scratch.exists(), (left, scratch)
 
 
 @pytest.mark.timeout(90)

@@ -31,6 +31,7 @@ from test_distributed_ultra import rank_1_steps, rows
 from test_faults import wait_until
 
 from common import torchrun
+from common.population_relay import reclaim_stale_scratch
 from common.runlog import RunLock
 from common.shm import reclaim_stale_segments
 from common.torchrun import EXIT_BARRIER_S, agreed_status
@@ -204,6 +205,7 @@ def test_kill_9_of_node_1_the_survivor_exits_with_rank_0s_status_within_seconds_
             assert mode == "population" and "ChildFailedError" in log
     finally:
         reclaim_stale_segments()  # what the killed node left, as the next run on it does
+        reclaim_stale_scratch()  # (the population's node-1 scratch directory, as the next node on it does)
 
 
 @pytest.mark.timeout(120)
