@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import psutil
 
 from common.checkpoint import latest_checkpoint
 from common.distributed import PeerFailure
 from common.population_member import member_checkpoints
 from common.rank_exchange import Field, Hub, Schema, Spoke, code_digest, follow_stop, interrupt_from_peer
 from common.run import config_dict
+from common.shm import process_gone
 from common.supervisor import Message, WorkerFailed
 
 if TYPE_CHECKING:
@@ -393,17 +393,10 @@ def make_scratch(rank: int) -> Path:
 
 def reclaim_stale_scratch(base: Path | None = None) -> list[Path]:
     """Remove the scratch directories under ``base`` (the temporary directory) whose node process no longer exists."""
-
-    def running(pid: int) -> bool:  # a killed process nobody has reaped yet is gone too
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     removed = []
     for path in Path(base or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
         match = re.fullmatch(rf"{SCRATCH_PREFIX}\d+-(\d+)-\w+", path.name)
-        if match and path.is_dir() and not running(int(match.group(1))):
+        if match and path.is_dir() and process_gone(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -156,6 +156,15 @@ def attach_all(specs: dict[str, ArraySpec]) -> tuple[dict[str, np.ndarray], list
     return {what: h.array for what, h in handles.items()}, list(handles.values())
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` no longer runs: it does not exist, or it was killed and nobody has reaped
+    it yet (a zombie holds no mappings and no open files, so what it owned can go)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def reclaim_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink ``prl_<pid>_*`` segments whose creating process no longer exists."""
     reclaimed = []
@@ -163,7 +172,7 @@ def reclaim_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
         return reclaimed
     for path in shm_dir.glob(f"{PREFIX}*"):
         match = re.match(rf"{PREFIX}(\d+)_", path.name)
-        if not match or psutil.pid_exists(int(match.group(1))):
+        if not match or not process_gone(int(match.group(1))):
             continue
         try:
             path.unlink()

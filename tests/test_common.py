@@ -8,10 +8,12 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass, field
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from conftest import ROOT
@@ -414,16 +416,22 @@ def test_stale_segments_of_dead_processes_are_reclaimed(tmp_path):
     dead = mp.get_context("spawn").Process(target=os.getpid)
     dead.start()
     dead.join()
-    stale = SHM / f"prl_{dead.pid}_leftover"
-    stale.write_bytes(b"x" * 64)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exited, not yet reaped: as kill -9 leaves one
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    stale, unreaped = SHM / f"prl_{dead.pid}_leftover", SHM / f"prl_{zombie.pid}_leftover"
+    for path in (stale, unreaped):
+        path.write_bytes(b"x" * 64)
     mine = SharedArray.create("still_mine", (4,), np.float32)
     try:
         reclaimed = reclaim_stale_segments()
-        assert stale.name in reclaimed and not stale.exists()
+        assert {stale.name, unreaped.name} <= set(reclaimed) and not stale.exists() and not unreaped.exists()
         assert segments_of(os.getpid()) == [mine.spec.name]  # a live owner's segment is kept
     finally:
+        zombie.wait()
         mine.unlink()
-        stale.unlink(missing_ok=True)
+        for path in (stale, unreaped):
+            path.unlink(missing_ok=True)
 
 
 

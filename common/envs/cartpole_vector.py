@@ -28,10 +28,11 @@ class SameActionsEverywhere(MultiDiscrete):
         if np.ptp(self.nvec) or np.ptp(self.start):
             raise ValueError("every entry must have the same actions")
         self.lowest, self.highest = int(self.start.flat[0]), int(self.start.flat[0] + self.nvec.flat[0] - 1)
+        self.checks_by_range = self.dtype == np.int64
 
     def contains(self, x) -> bool:
         # Signed integers of at most 64 bits are exactly those that cast safely to int64.
-        if isinstance(x, np.ndarray) and x.shape == self.shape and x.dtype.kind == "i" and self.dtype == np.int64:
+        if isinstance(x, np.ndarray) and x.shape == self.shape and x.dtype.kind == "i" and self.checks_by_range:
             smallest, largest = np.minimum.reduce(x, axis=None), np.maximum.reduce(x, axis=None)
             return bool(smallest >= self.lowest and largest <= self.highest)
         return super().contains(x)
