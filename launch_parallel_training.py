@@ -149,7 +149,10 @@ def launch(opts: argparse.Namespace, passthrough: list[str]) -> int:
         overrides = {"trials": opts.trials, "seeds": opts.seeds, "trials_at_once": opts.trials_at_once,
                      "storage": opts.storage, "search_hours": opts.search_hours, "output_dir": opts.search_dir}
         return search_main(opts.search, overrides, passthrough, load_machine(opts), opts.dry_run)
-    report = build_report(load_machine(opts), opts.mode, flag_value(passthrough, "--env-id"))
+    # The ranks of a --nnodes job, one per node unless --nproc-per-node says otherwise (as the dqn mode, whose
+    # learner depends on them, runs): the plans are for the job the commands start.
+    world_size = opts.nnodes * (opts.nproc_per_node or 1) if opts.nnodes is not None else 1
+    report = build_report(load_machine(opts), opts.mode, flag_value(passthrough, "--env-id"), world_size)
     if report["recommendation"] is None:  # the scripts import a missing package: nothing can be planned
         return missing_packages(report, opts)
     mode = MODES[report["selected"]]

@@ -17,12 +17,17 @@ a heuristic player and against search players it never meets in training. Pettin
 classic games (``pettingzoo/tictactoe-v3`` ...) train the same way against their own players
 (common/envs/pettingzoo_games.py). Any single-agent Gymnasium id with a Discrete action space works too.
 
+That is the Q-network learner (``--learner q_network``). On ConnectFour-v0 on one machine the default,
+``--learner auto``, takes the n-tuple learner instead (``common.ntuple_trainer``): an n-tuple value function
+learned by TD self-play, every process playing over one table in shared memory, much the stronger player there.
+
 Started by ``torchrun``, rank 0 does all of the above, and every other rank runs rollout
 workers only (``--num-workers`` of them on each rank): their whole episodes travel to rank 0
 as typed arrays (``common.dqn_rollouts``), are checked, and enter the replay buffer like local
 ones; the weights, epsilon and the opponent pool travel back (docs/multi-node.md).
 
-    python parallel_train_dqn.py                                   # ConnectFour-v0 self-play
+    python parallel_train_dqn.py                                   # ConnectFour-v0 self-play (n-tuple learner)
+    python parallel_train_dqn.py --learner q_network               # ... with the Q-network
     python parallel_train_dqn.py --config configs/parallel_dqn_cartpole.yaml
     python parallel_train_dqn.py --config configs/tictactoe_selfplay.yaml     # PettingZoo's tic-tac-toe, until perfect
     python parallel_train_dqn.py --duration 0.25 --resume auto --output-dir runs/c4
@@ -40,15 +45,15 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 import numpy as np
 
-from common.config import aliased, require, require_positive
+from common.config import ConfigError, aliased, require, require_positive
 from common.rank_exchange import code_digest, stop_message
 from common.replay import LocalReplay, episode_transitions, fit_buffer_size, replay_bytes, storage_dtype
 from common.run import Mode, RunConfig, run_training, train_in_process
-from common.system import resolve_device, usable_cores
+from common.system import resolve_device, shm_shortfall, usable_cores
 
 # torch and the modules that import it (common.dqn, common.dqn_rollouts, common.networks) are
 # imported where they are used, so that --help and --validate-only answer without loading it.
@@ -61,7 +66,7 @@ PFSP_WINDOW = 200  # games against a snapshot that its win rate is measured over
 @dataclass
 class Config(RunConfig):
     env_id: str = "ConnectFour-v0"  # any Gymnasium id with a Discrete action space; two-player built-ins use self-play
-    learner: str = "q_network"  # q_network (Double DQN), or ntuple (ConnectFour-v0: n-tuple values, TD self-play)
+    learner: str = "auto"  # auto (ntuple on ConnectFour-v0 on one machine, else q_network), q_network (Double DQN)
     seed: int = 1  # seeds the networks, the replay sampling and every worker's environments
     num_workers: int = field(default_factory=lambda: max(1, usable_cores() - 2))  # rollout processes per rank
     episodes_per_batch: int = 64  # whole episodes each worker plays per batch it sends
@@ -146,7 +151,10 @@ class Config(RunConfig):
                 "must be auto, bf16, fp16 or off")
         require(self.mixed_precision != "fp16" or resolve_device(self.device).startswith("cuda"), "mixed_precision",
                 "fp16", "needs a CUDA device (use bf16 on CPU)")
-        require(self.learner in ("q_network", "ntuple"), "learner", self.learner, "must be q_network or ntuple")
+        require(self.learner in ("auto", "q_network", "ntuple"), "learner", self.learner,
+                "must be auto, q_network or ntuple")
+        requested, self.learner = self.learner, chosen_learner(self.learner, self.env_id)  # as config.yaml says
+        refuse_the_other_learners_settings(self, requested)
         require_positive(self, "ntuple_tuples", "ntuple_length", "ntuple_learning_rate", "ntuple_final_learning_rate",
                          "ntuple_games_in_lockstep")
         require(self.ntuple_length <= 10, "ntuple_length", self.ntuple_length,
@@ -157,6 +165,42 @@ class Config(RunConfig):
                 "must be two ply counts, 0 <= low <= high <= 41")
 
 
+def chosen_learner(requested: str, env_id: str, world_size: int | None = None) -> str:
+    """The learner that runs for ``--learner requested``: auto is the n-tuple learner where it applies (ConnectFour-v0,
+    on one machine: its processes share one table in shared memory), else the Q-network. ``world_size`` is the
+    torchrun world's (WORLD_SIZE where it is None)."""
+    if requested != "auto":
+        return requested
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    return "ntuple" if env_id == "ConnectFour-v0" and world_size == 1 else "q_network"
+
+
+# What only one learner reads. Set away from its default for the other learner, a setting is refused in one line
+# rather than ignored (a --buffer-size meant for the Q-network would otherwise do nothing to an n-tuple run).
+NTUPLE_SETTINGS = ("ntuple_tuples", "ntuple_length", "ntuple_learning_rate", "ntuple_final_learning_rate",
+                   "ntuple_epsilon", "ntuple_random_opening", "ntuple_games_in_lockstep")
+Q_NETWORK_SETTINGS = (
+    "episodes_per_batch", "learning_rate", "anneal_lr", "gamma", "batch_size", "buffer_size", "learning_starts",
+    "replay_ratio", "learning_steps_per_batch", "n_step", "target_update_interval", "tau", "max_grad_norm",
+    "hidden_sizes", "conv_channels", "epsilon_start", "epsilon_end", "epsilon_decay_steps", "mixed_precision",
+    "device", "snapshot_sampling", "snapshot_interval", "pool_size", "opponent_latest", "opponent_snapshot",
+    "opponent_random", "opponent_heuristic", "opponent_epsilon", "mirror_augment", "learn_both_seats", "negamax",
+    "max_game_length", "model_sync_interval", "worker_reset_interval", "experience_queue_size")
+
+
+def refuse_the_other_learners_settings(cfg: Config, requested: str) -> None:
+    others = Q_NETWORK_SETTINGS if cfg.learner == "ntuple" else NTUPLE_SETTINGS
+    defaults = Config.__dataclass_fields__
+    for name in others:
+        default = defaults[name].default_factory() if defaults[name].default is MISSING else defaults[name].default
+        if getattr(cfg, name) != default:
+            other = "q_network" if cfg.learner == "ntuple" else "ntuple"
+            how = (f", auto's choice on {cfg.env_id} on one machine (--learner {other} for the other)"
+                   if requested == "auto" else "")
+            raise ConfigError(name, getattr(cfg, name),
+                              f"is a setting of --learner {other}; this run's learner is {cfg.learner}{how}")
+
+
 def check_env(cfg: Config, env) -> None:
     """The symmetries to augment the replay with, the other seat to learn from, the players a two-player game is
     evaluated against, and a replay buffer that fits in RAM; the n-tuple learner's game and machine."""
@@ -165,6 +209,10 @@ def check_env(cfg: Config, env) -> None:
         require(cfg.env_id == "ConnectFour-v0", "learner", "ntuple", f"learns ConnectFour-v0 only, not {cfg.env_id}")
         require(int(os.environ.get("WORLD_SIZE", "1")) == 1, "learner", "ntuple",
                 "runs on one machine (its processes share one table in shared memory); start it without torchrun")
+        table = replay_buffers(cfg, env)["ntuple_weights"]
+        short = shm_shortfall(table, f"the n-tuple table ({cfg.ntuple_tuples} tuples of {cfg.ntuple_length} cells)")
+        require(short is None, "ntuple_tuples", cfg.ntuple_tuples,
+                f"{short}: fewer or shorter tuples fit, or a larger /dev/shm (docker: --shm-size=1g)")
         return
     env.extra["symmetries"] = augmenting_symmetries(cfg, env)
     env.extra["other_seat"] = other_seat(cfg)
@@ -245,7 +293,7 @@ def replay_capacity_bytes(capacity: int, env) -> int:
 def replay_buffers(cfg: Config, env) -> dict[str, int]:
     """The replay in the learner's process: ``buffer_size`` transitions, DEFAULT_BUFFER where it is unset; the
     n-tuple learner's weights (shared memory) instead."""
-    if cfg.learner == "ntuple":
+    if chosen_learner(cfg.learner, cfg.env_id) == "ntuple":
         return {"ntuple_weights": 2 * cfg.ntuple_tuples * 4 ** cfg.ntuple_length * 4}
     return {"replay": replay_capacity_bytes(DEFAULT_BUFFER if cfg.buffer_size is None else cfg.buffer_size, env)}
 

@@ -107,6 +107,8 @@ def bench_connect_four(opts) -> None:
     """The script's defaults (no flags but the seed, the duration and --games evaluation games per
     opponent), trained for --minutes per seed, one seed after another; or, with --runs, the report
     of runs made before (their summary.json and metrics.csv)."""
+    import yaml
+
     load_before = machine_line()
     runs, trained_games = [], opts.games  # the final evaluation's games per opponent, in training
     if opts.runs:
@@ -115,8 +117,6 @@ def bench_connect_four(opts) -> None:
             runs.append((summary["seed"], out, {"returncode": summary.get("exit_code"), **summary}))
         started = min((out / "config.yaml").stat().st_mtime for _, out, _ in runs)
         ended = max((out / "summary.json").stat().st_mtime for _, out, _ in runs)
-        import yaml
-
         trained_games = 2 * yaml.safe_load((runs[0][1] / "config.yaml").read_text())["eval_episodes"]
         load_before = (f"trained {datetime.fromtimestamp(started, UTC):%Y-%m-%d %H:%M} to "
                        f"{datetime.fromtimestamp(ended, UTC):%H:%M} UTC; this report rebuilt from their run "
@@ -136,10 +136,13 @@ def bench_connect_four(opts) -> None:
                f"{' --search-depth ' + ' '.join(map(str, opts.search_depth)) if opts.search_depth else ''}"
                f"{' --random-opening ' + str(opts.random_opening) if opts.random_opening else ''}"
                f"{' --tag ' + opts.tag if opts.tag else ''}")
+    learner = yaml.safe_load((runs[0][1] / "config.yaml").read_text())["learner"] if runs else "?"
+    how = ("the n-tuple learner: TD self-play of every process over one table in shared memory"
+           if learner == "ntuple" else
+           "the Q-network: negamax targets from both players' moves; self-play against the latest policy, past "
+           "snapshots drawn by prioritized fictitious self-play and a random player")
     lines = ["# parallel_train_dqn.py: ConnectFour-v0 self-play against players it never met", "",
-             f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} (the defaults: negamax targets "
-             "from both players' moves; self-play against the latest policy, past snapshots drawn by prioritized "
-             "fictitious self-play and a random player; "
+             f"`python parallel_train_dqn.py`{' ' + opts.extra if opts.extra else ''} ({how}; "
              f"neither the heuristic nor the search players take part in training), {opts.minutes:g} min of "
              f"training per seed, {len(runs)} seed(s) one after another. Final evaluation: the greedy policy, "
              f"{trained_games} games per opponent ({trained_games // 2} from each seat).", "",

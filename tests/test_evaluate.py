@@ -86,7 +86,8 @@ def evaluate_json(*args) -> dict:
 # learner updates while the worker plays, so how many updates fit between two batches varies from run to
 # run: 800 games put its score against random at 0.73-0.89 in 100 games on a quiet machine, but at 0.53-0.58
 # in 40 games with the whole suite on both cores; 1200 keep a margin there (400 games gave 0.67-0.81).
-CONNECT_FOUR = ["--seed", "1", "--num-workers", "1", "--episodes-per-batch", "16", "--total-episodes", "1200",
+CONNECT_FOUR = ["--learner", "q_network", "--seed", "1", "--num-workers", "1", "--episodes-per-batch", "16",
+                "--total-episodes", "1200",
                 "--learning-starts", "200", "--batch-size", "64", "--hidden-sizes", "64", "--learning-rate", "1e-3",
                 "--epsilon-decay-steps", "1500", "--opponent-random", "1", "--opponent-latest", "0",
                 "--opponent-snapshot", "0", "--opponent-heuristic", "0", "--eval-interval", "0",

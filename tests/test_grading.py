@@ -150,8 +150,10 @@ def test_no_training_mix_can_name_the_perfect_player():
             opponent_mixture({"probs": {name: 1.0}}, None, [], 2, np.random.default_rng(0))
 
 
-# The script's default training mix (latest policy, snapshots, random player), on a budget of seconds.
-TINY_SELF_PLAY = ["--num-workers", "1", "--episodes-per-batch", "16", "--total-episodes", "96",
+# The Q-network learner's default training mix (latest policy, snapshots, random player), on a budget of seconds.
+# (The n-tuple learner, auto's choice on ConnectFour-v0, plays itself only: it has no opponent to mix in.)
+TINY_SELF_PLAY = ["--learner", "q_network", "--num-workers", "1", "--episodes-per-batch", "16",
+                  "--total-episodes", "96",
                   "--learning-starts", "100", "--batch-size", "32", "--hidden-sizes", "32", "--snapshot-interval", "2",
                   "--eval-interval", "0", "--eval-episodes", "2", "--no-tensorboard", "--seed", "3"]
 # A bitbully that leaves a mark where it is imported and then fails, as if it were not installed.

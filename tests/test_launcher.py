@@ -114,8 +114,8 @@ def test_json_alone_reports_and_starts_nothing(tmp_path):
     (machine(16, gpus=1), "ultra", {"num_workers": 14, "device": "cuda:0", "buffer_size": 200_000}),
     (machine(128), "timed", {"num_workers": 128}),
     (machine(64, gpus=4), "ppo-multiprocess", {"num_workers": 63}),
-    (machine(16, gpus=1, shm_gib=0.01), "dqn", {"device": "cuda:0"}),
-    (machine(4, gpus=1), "dqn", {"device": "cuda:0", "num_workers": 3}),
+    (machine(16, gpus=1, shm_gib=0.01), "dqn", {"learner": "q_network", "device": "cuda:0"}),
+    (machine(4, gpus=1), "dqn", {"learner": "q_network", "device": "cuda:0", "num_workers": 3}),
 ])
 def test_recommendation_for_simulated_machines(facts, mode, expect):
     rec = recommend(facts)
@@ -150,6 +150,41 @@ def test_advice_for_a_big_machine_bounds_workers_and_buffers_by_what_it_has():
     assert recommend(machine(256, gpus=1)).plan.threads == {"per_actor": 1, "learner": 1}
     dqn_on_4_gpus = recommend(machine(64, gpus=4)).plans["dqn"]
     assert any("cuda:0; 3 more GPUs would stay idle" in w for w in dqn_on_4_gpus.warnings)
+
+
+def test_the_dqn_plan_is_the_learner_the_machine_suits():
+    """No GPU: the n-tuple learner (the script's choice for ConnectFour-v0 on one machine), its main process and
+    workers on the CPU over one table in /dev/shm, unless the table does not fit there; a GPU: the Q-network on
+    it, named, since the script alone would choose the n-tuple learner."""
+    dqn = script_module("dqn")
+    table = dqn.replay_buffers(dataclasses.replace(dqn.Config(), learner="ntuple"), None)["ntuple_weights"]
+    ntuple = recommend(machine(8)).plans["dqn"]
+    assert ntuple.args == ["--num-workers", "7"] and ntuple.settings["learner"] == "ntuple"
+    assert ntuple.settings["num_workers"] == 7 and ntuple.threads == {"per_worker": 1, "main": 1}
+    assert ntuple.devices == "CPU: the main process and 7 workers self-play over one table in /dev/shm"
+    assert "n-tuple learner" in ntuple.reason and ntuple.warnings == []
+    assert ntuple.memory["ntuple_weights_bytes"] == ntuple.memory["shm_bytes"] == table
+    assert recommend(machine(1)).plans["dqn"].args == ["--num-workers", "1"]  # at least one worker
+
+    small_shm = recommend(machine(8, shm_gib=1 / 16)).plans["dqn"]  # 64 MiB: the table (~140 MiB) does not fit
+    assert small_shm.args[:2] == ["--learner", "q_network"] and small_shm.settings["learner"] == "q_network"
+    assert small_shm.settings["device"] == "cpu" and small_shm.cannot_run is None
+    assert small_shm.warnings[0] == (f"/dev/shm has 64.0 MiB free, too little for the n-tuple table of "
+                                     f"{system.format_bytes(table)} (docker: --shm-size=1g): the Q-network learner "
+                                     "instead (--learner q_network)")
+    small_ram = recommend(machine(8, ram_gib=1)).plans["dqn"]  # ~820 MiB budget: the main process, table, no worker
+    assert small_ram.args[:2] == ["--learner", "q_network"]
+    assert small_ram.warnings[0].startswith("RAM holds no worker beside the main process and the n-tuple table")
+
+    on_gpu = recommend(machine(4, gpus=1)).plans["dqn"]
+    assert on_gpu.args[:2] == ["--learner", "q_network"] and "--device" in on_gpu.args
+    assert on_gpu.args[on_gpu.args.index("--device") + 1] == "cuda:0"
+    assert on_gpu.settings["learner"] == "q_network" and "the Q-network learns on the GPU" in on_gpu.reason
+    assert "replay_bytes" in on_gpu.memory and on_gpu.memory["shm_bytes"] == 0
+
+    # A job of several ranks runs the Q-network (the n-tuple learner's table is one machine's shared memory).
+    ranks = recommend(machine(8), world_size=2).plans["dqn"]
+    assert ranks.args[:2] == ["--learner", "q_network"] and "2 ranks" in ranks.reason
 
 
 def test_the_memory_plan_counts_the_buffers_each_script_declares():
@@ -205,8 +240,9 @@ def test_a_mode_that_cannot_run_is_refused_even_with_force(tmp_path):
 
 @pytest.mark.parametrize("mode, extra, expected", [
     ("timed", ["--episodes", "300", "--seed", "4"], ["train_parallel_timed.py", "--total-episodes 300", "--seed 4"]),
-    ("dqn", ["--duration", "0.5", "--batch-size", "32"], ["parallel_train_dqn.py", "--duration 0.5",
-                                                         "--batch-size 32"]),
+    ("dqn", ["--duration", "0.5", "--seed", "4"], ["parallel_train_dqn.py", "--duration 0.5", "--seed 4"]),
+    ("dqn", ["--learner", "q_network", "--batch-size", "32"], ["parallel_train_dqn.py", "--learner q_network",
+                                                              "--batch-size 32"]),
     ("ultra", ["--force", "--episodes", "50"], ["ultra_parallel_train_dqn.py", "--total-episodes 50",
                                                 "--num-workers 1"]),
     ("ppo-multiprocess", ["--episodes", "40", "--num-workers", "2"],

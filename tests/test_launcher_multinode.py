@@ -103,6 +103,8 @@ def test_each_node_gets_a_torchrun_command_with_the_plans_flags(mode, nnodes, tm
         assert flag(script, name) == value, (name, script)
     assert flag(script, "--output-dir") == run_dir and script[-2:] == ["--resume", "auto"]
     assert multinode["num_workers_per_rank"] == int(flag(script, "--num-workers"))
+    if mode == "dqn":  # planned for the job's ranks: the n-tuple learner, one machine's choice, runs on one only
+        assert flag(script, "--learner") == "q_network" and plan["settings"]["learner"] == "q_network"
     text = launch("--assume-facts", MACHINES / facts, "--nnodes", nnodes, *select, cwd=tmp_path)
     assert text.returncode == 0, text.stderr
     for node, command in enumerate(multinode["commands"]):

@@ -177,6 +177,8 @@ def buffers(mode: str, cfg, env) -> tuple[int, int]:
     if mode == "ultra":
         return ReplayLayout(cfg.buffer_size, cfg.num_actors, space.shape, storage_dtype(space).name,
                             cfg.prioritized).nbytes(), 0
+    if mode == "dqn" and cfg.learner == "ntuple":  # float32 weights of both seats' tables, in /dev/shm
+        return 2 * cfg.ntuple_tuples * 4 ** cfg.ntuple_length * np.dtype(np.float32).itemsize, 0
     if mode == "dqn":
         masks = int(env.action_space.n) if env.action_mask else None
         return 0, replay_bytes(cfg.buffer_size, space.shape, storage_dtype(space), masks)
@@ -249,6 +251,11 @@ def test_every_shape_gets_a_recommendation_that_runs():
 PLAN_BUFFERS = {"timed": "rollout", "dqn": "replay", "ultra": "replay", "ppo-multiprocess": "cache"}
 
 
+def plan_buffer(mode: str, cfg) -> str:
+    """The buffer a plan sizes: the dqn mode's is its learner's (the validated config names the one that runs)."""
+    return "ntuple_weights" if mode == "dqn" and cfg.learner == "ntuple" else PLAN_BUFFERS[mode]
+
+
 @pytest.mark.parametrize("mode", mode_params())
 def test_the_plan_is_what_the_script_runs_with(mode, validator):
     """The plan reads the script's declaration (its config's defaults, its env) and sizes buffers with the
@@ -267,4 +274,4 @@ def test_the_plan_is_what_the_script_runs_with(mode, validator):
         elif name != "split":
             assert getattr(cfg, name) == value, f"{MODES[mode].script}: {name} is {getattr(cfg, name)!r}, not {value!r}"
     shm, private = buffers(mode, cfg, outcome.env)
-    assert plan.memory[f"{PLAN_BUFFERS[mode]}_bytes"] == (shm or private)  # in /dev/shm, or the DQN learner's own
+    assert plan.memory[f"{plan_buffer(mode, cfg)}_bytes"] == (shm or private)  # in /dev/shm, or the DQN learner's

@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import ROOT, kill_tree, run_script, script_env, start_script
 
+import parallel_train_dqn
+from common import system
 from common.checkpoint import load_checkpoint
 from common.envs.connect_four import COLS, ROWS, RandomPlayer, drop, legal_mask, observe, play_match
 from common.ntuple import NTupleValue, SelfPlay, TrainConfig, random_walk_tuples, train
@@ -219,6 +221,50 @@ def test_the_ntuple_learner_trains_on_two_processes_survives_a_worker_death_stop
     report = json.loads(graded.stdout)
     assert report["opponents"]["random"]["both"]["win"] >= 0.9
     assert 0 < report["graded"]["positions"]["all"]["optimal"] <= 1
+
+
+def test_auto_is_the_ntuple_learner_on_connect_four_on_one_machine(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    chosen = {}
+    for env_id in ("ConnectFour-v0", "CartPole-v1", "pettingzoo/tictactoe-v3"):
+        cfg = parallel_train_dqn.Config(env_id=env_id)
+        cfg.validate()
+        chosen[env_id] = cfg.learner  # resolved: config.yaml and the checkpoints name the learner that ran
+    assert chosen == {"ConnectFour-v0": "ntuple", "CartPole-v1": "q_network", "pettingzoo/tictactoe-v3": "q_network"}
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun the Q-network learns, its rollouts come from every node
+    cfg = parallel_train_dqn.Config()
+    cfg.validate()
+    assert cfg.learner == "q_network"
+    assert parallel_train_dqn.chosen_learner("auto", "ConnectFour-v0", world_size=1) == "ntuple"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--buffer-size", "50000"], "--buffer-size 50000: is a setting of --learner q_network; this run's learner is "
+                                 "ntuple, auto's choice on ConnectFour-v0 on one machine (--learner q_network"),
+    (["--learner", "ntuple", "--batch-size", "64"], "--batch-size 64: is a setting of --learner q_network; this "
+                                                    "run's learner is ntuple\n"),
+    (["--learner", "q_network", "--ntuple-tuples", "70"], "--ntuple-tuples 70: is a setting of --learner ntuple"),
+    (["--env-id", "CartPole-v1", "--ntuple-epsilon", "0.1"], "this run's learner is q_network"),
+])
+def test_a_setting_of_the_other_learner_is_refused_not_ignored(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as refused:  # the settings are checked as they are read
+        parallel_train_dqn.main([*argv, "--validate-only", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_ntuple_table_beyond_dev_shm_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with system.assumed_machine({"shm_free": 64 * 2**20}):  # docker's default /dev/shm; the default table is 147 MB
+        assert parallel_train_dqn.main(["--validate-only", "--output-dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the n-tuple table (280 tuples of 8 cells) needs 140.0 MiB of shared " \
+            "memory, but /dev/shm has 64.0 MiB free" in err and "--shm-size" in err, err
+        assert parallel_train_dqn.main(["--validate-only", "--ntuple-tuples", "100", "--ntuple-length", "7",
+                            "--output-dir", str(tmp_path / "small")]) == 0  # 12.5 MiB fits
 
 
 def test_the_ntuple_learner_is_refused_where_it_cannot_run(tmp_path):

@@ -109,7 +109,8 @@ def test_buffer_memory_plan():
 
 
 def test_buffer_the_user_sized_beyond_ram_exits_2(tmp_path, capsys):
-    assert parallel_train_dqn.main(["--buffer-size", "1000000000000", "--output-dir", str(tmp_path / "run")]) == 2
+    assert parallel_train_dqn.main(["--learner", "q_network", "--buffer-size", "1000000000000",
+                                    "--output-dir", str(tmp_path / "run")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--buffer-size" in lines[0] and "RAM" in lines[0], lines
     assert not (tmp_path / "run").exists()
@@ -136,7 +137,8 @@ def test_cartpole_learns(tmp_path):
 @pytest.mark.timeout(150)
 def test_self_play_beats_random(tmp_path):
     run = tmp_path / "run"
-    result = run_script(SCRIPT, "--seed", "2", "--num-workers", "1", "--hidden-sizes", "64", "64",
+    result = run_script(SCRIPT, "--learner", "q_network", "--seed", "2", "--num-workers", "1",
+                        "--hidden-sizes", "64", "64",
                         "--total-episodes", "6000", "--episodes-per-batch", "32", "--eval-episodes", "100",
                         "--epsilon-decay-steps", "10000", "--learning-starts", "500", "--replay-ratio", "0.1",
                         "--eval-interval", "0",
@@ -383,7 +385,8 @@ def test_negamax_stores_plies_bootstrapped_from_the_reply_and_is_refused_where_i
     assert np.isclose(three.discounts[0], -0.729)
 
     for flags, message in ((["--env-id", "CartPole-v1", "--negamax"], "--negamax True: CartPole-v1 declares no plies"),
-                           (["--negamax", "--no-learn-both-seats"], "--learn-both-seats False: negamax targets")):
+                           (["--learner", "q_network", "--negamax", "--no-learn-both-seats"],
+                            "--learn-both-seats False: negamax targets")):
         run = tmp_path / "run"
         assert parallel_train_dqn.main([*flags, "--output-dir", str(run)]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
@@ -409,7 +412,8 @@ def test_target_win_rate_stops_the_run_and_moves_are_stored_mirrored(tmp_path):
     the default on ConnectFour-v0 stores every move twice (as played and mirrored), the opponent's too.
     --anneal-lr: the first updates already learn at the rate left after 4 of the 10 budgeted episodes."""
     summary = parallel_train_dqn.train(
-        num_workers=1, episodes_per_batch=4, total_episodes=10, duration=None, eval_interval=1, eval_episodes=2,
+        learner="q_network", num_workers=1, episodes_per_batch=4, total_episodes=10, duration=None, eval_interval=1,
+        eval_episodes=2,
         target_win_rate=[0.0, 0.0], hidden_sizes=[16], learning_starts=0, batch_size=16, tensorboard=False,
         anneal_lr=True, learning_rate=1e-3, output_dir=str(tmp_path / "run"))
     assert summary["exit_code"] == 0 and summary["stop_reason"] == "target win rates [0.0, 0.0] reached", summary

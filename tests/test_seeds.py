@@ -250,7 +250,8 @@ def test_num_envs_per_worker_is_episodes_per_batch_in_parallel_train_dqn(tmp_pat
     import parallel_train_dqn
 
     (tmp_path / "sections.yaml").write_text("parallel:\n  num_workers: 2\n  num_envs_per_worker: 8\n")
-    cfg = parse_args(parallel_train_dqn.Config, ["--config", str(tmp_path / "sections.yaml")], exit_on_error=False)[0]
+    cfg = parse_args(parallel_train_dqn.Config, ["--config", str(tmp_path / "sections.yaml"), "--learner", "q_network"],
+                     exit_on_error=False)[0]  # (episodes_per_batch is the Q-network learner's)
     assert cfg.episodes_per_batch == cfg.num_envs_per_worker == 8 and cfg.num_workers == 2
     assert parallel_train_dqn.Config(num_envs_per_worker=4).episodes_per_batch == 4
     with pytest.raises(ConfigError, match=r"^--episodes-per-batch 0: must be > 0$"):

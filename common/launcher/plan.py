@@ -218,23 +218,80 @@ def plan_ultra(m: system.Machine) -> Plan:
     return plan
 
 
-def plan_dqn(m: system.Machine) -> Plan:
-    d = script_defaults("dqn")
+def plan_dqn(m: system.Machine, world_size: int = 1) -> Plan:
+    """The learner the machine suits: the Q-network on cuda:0 where there is a GPU; else the learner the script
+    chooses for its default env (``chosen_learner``: the n-tuple learner for ConnectFour-v0 on one machine) where
+    its table fits in /dev/shm and RAM, the Q-network on the CPU where it does not. ``world_size``: the ranks of
+    the job (``--nnodes``), which the script's choice depends on."""
+    script, d = script_module("dqn"), script_defaults("dqn")
+    alone = script.chosen_learner(d.learner, d.env_id, 1)  # what the script runs started on its own, here
+    if m.gpus:
+        instead = (f" (the n-tuple learner, the script's choice for {d.env_id} on one machine, runs on the CPU only)"
+                   if alone == "ntuple" else "")
+        return plan_q_network(m, f"the Q-network learns on the GPU{instead}")
+    chosen = script.chosen_learner(d.learner, d.env_id, world_size)
+    if chosen != "ntuple":
+        why = (f"{world_size} ranks: the n-tuple learner runs on one machine only" if alone == "ntuple"
+               else f"the script's learner for {d.env_id}")
+        return plan_q_network(m, why)
+    ntuple, problem = plan_ntuple(m)
+    if problem is None:
+        return ntuple
+    plan = plan_q_network(m, f"{problem}, so the Q-network learner")
+    plan.warnings.insert(0, f"{problem}: the Q-network learner instead (--learner q_network)")
+    return plan
+
+
+def plan_ntuple(m: system.Machine) -> tuple[Plan, str | None]:
+    """The n-tuple learner: the main process and its workers self-play over one table in /dev/shm, all on the
+    CPU; and why it cannot run here, or None."""
+    cores, table = m.usable_cores, buffer_bytes("dqn", learner="ntuple")
+    # The main process plays and learns like a worker: one core each, the main process's included.
+    workers, notes = fit_workers(m, max(1, cores - 1), WORKER_RSS, MAIN_RSS + sum(table.values()))
+    # The table is this learner's only big buffer, and it lives in /dev/shm (the script's MODE.shm_buffers names
+    # the Q-network's, which has none there).
+    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, table, shm_keys=tuple(table))
+    size = system.format_bytes(memory["shm_bytes"])
+    problem = None
+    if memory["shm_bytes"] > SHM_SHARE * m.shm_free:
+        problem = (f"/dev/shm has {system.format_bytes(m.shm_free)} free, too little for the n-tuple table of "
+                   f"{size} (docker: --shm-size=1g)")
+    elif workers < 1:
+        problem = f"RAM holds no worker beside the main process and the n-tuple table of {size} ({'; '.join(notes)})"
+    who = f"{workers} worker{'s' * (workers != 1)}"
+    plan = Plan("dqn", [MODES["dqn"].workers_flag, str(max(1, workers))],
+                {"learner": "ntuple", "num_workers": workers, "device": "cpu"}, {"per_worker": 1, "main": 1},
+                f"CPU: the main process and {who} self-play over one table in /dev/shm", memory,
+                warnings=notes)
+    plan.reason = (f"{cores} core{'s' * (cores > 1)}, no GPU: the n-tuple learner, the script's choice for "
+                   f"{script_defaults('dqn').env_id} on one machine, self-plays and learns by TD in the main "
+                   f"process and {who} over one {size} table in /dev/shm; no replay, no network")
+    return plan, problem
+
+
+def plan_q_network(m: system.Machine, why: str) -> Plan:
+    """The Q-network learner (Double DQN) on cuda:0 where there is a GPU, else on the CPU, fed by rollout workers
+    through its replay; ``why`` this learner."""
+    script, d = script_module("dqn"), script_defaults("dqn")
     cores = m.usable_cores
     learner_threads = 1 if m.gpus or cores < 4 else 2
-    budget = replay_budget(m, "dqn", sum(buffer_bytes("dqn", buffer_size=1).values()),
+    budget = replay_budget(m, "dqn", sum(buffer_bytes("dqn", learner="q_network", buffer_size=1).values()),
                            max(1, cores - learner_threads), in_shm=False, what="workers")
     workers = budget.workers
     device = "cuda:0" if m.gpus else d.device
-    memory = memory_plan(m, workers, WORKER_RSS, budget.main, buffer_bytes("dqn", buffer_size=budget.buffer),
-                         shm_buffers("dqn"))
-    plan = Plan("dqn", replay_flags("dqn", budget, device),
-                {"num_workers": workers, "buffer_size": budget.buffer, "device": device},
+    memory = memory_plan(m, workers, WORKER_RSS, budget.main,
+                         buffer_bytes("dqn", learner="q_network", buffer_size=budget.buffer), shm_buffers("dqn"))
+    # Where the script alone would choose the n-tuple learner, the command names this one, so that it means the
+    # same run wherever it is started or validated (under torchrun or not).
+    named = ["--learner", "q_network"] if script.chosen_learner(d.learner, d.env_id, 1) != "q_network" else []
+    plan = Plan("dqn", named + replay_flags("dqn", budget, device),
+                {"learner": "q_network", "num_workers": workers, "buffer_size": budget.buffer, "device": device},
                 {"per_worker": 1, "learner": learner_threads},
                 f"learner on {device}; rollout workers act on the CPU and send whole episodes", memory,
                 warnings=budget.notes + idle_gpus(m), cannot_run=budget.refusal("workers"))
-    plan.reason = (f"{cores} cores{' and a GPU' if m.gpus else ''}: {workers} rollout processes feed one "
-                   f"{'GPU' if m.gpus else 'CPU'} learner; nothing large goes through /dev/shm")
+    plan.reason = (f"{cores} core{'s' * (cores > 1)}{' and a GPU' if m.gpus else ''}: {why}; {workers} rollout "
+                   f"processes feed one {'GPU' if m.gpus else 'CPU'} learner through its replay; nothing large goes "
+                   "through /dev/shm")
     return plan
 
 
@@ -308,11 +365,13 @@ def run_bytes(workers: int, buffers: dict[str, int], cuda: bool = False) -> int:
 PLANNERS = {"timed": plan_timed, "dqn": plan_dqn, "ultra": plan_ultra, "ppo-multiprocess": plan_population}
 
 
-def plan_mode(m: system.Machine, name: str) -> Plan:
-    """The mode's plan; where its default env cannot be made here, a plan that needs --force (and the user's
-    own --env-id) and says why."""
+def plan_mode(m: system.Machine, name: str, world_size: int = 1) -> Plan:
+    """The mode's plan for a job of ``world_size`` ranks; where its default env cannot be made here, a plan that
+    needs --force (and the user's own --env-id) and says why."""
     try:
-        return PLANNERS[name](m)
+        # Only the dqn mode's learner depends on the world size (the script's chosen_learner); the other modes
+        # plan each rank alike.
+        return plan_dqn(m, world_size) if name == "dqn" else PLANNERS[name](m)
     except ConfigError as err:  # from default_env: an extra the env needs is missing (Box2D for LunarLander-v3)
         return Plan(name, [], {"device": script_defaults(name).device}, {}, "as the script decides",
                     memory_plan(m, 0, WORKER_RSS, MAIN_RSS, {}), not_recommended=f"its default env: {err}")
@@ -327,9 +386,10 @@ class Recommendation:
     warnings: list[str]
 
 
-def recommend(m: system.Machine) -> Recommendation:
-    """Pick a mode and its settings from the machine's facts. A pure function of ``m``."""
-    plans = {name: plan_mode(m, name) for name in PLANNERS}
+def recommend(m: system.Machine, world_size: int = 1) -> Recommendation:
+    """Pick a mode and its settings from the machine's facts, for a job of ``world_size`` ranks (``--nnodes``).
+    A pure function of ``m`` and ``world_size``."""
+    plans = {name: plan_mode(m, name, world_size) for name in PLANNERS}
     refused = {name: p.cannot_run or p.not_recommended for name, p in plans.items()
                if p.cannot_run or p.not_recommended}
     gpus = len(m.gpus)

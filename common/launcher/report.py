@@ -28,16 +28,17 @@ def facts_report(m: system.Machine) -> dict:
             "assumed_from": os.environ.get(system.ASSUME_ENV) if m.assumed else None}
 
 
-def build_report(m: system.Machine, mode: str | None = None, env_id: str | None = None) -> dict:
-    """Dependencies, facts, the recommendation, every mode's plan, and the mode selected (``mode`` or
-    the recommended one) with its ``--tune`` measurement for ``env_id`` if there is one.
+def build_report(m: system.Machine, mode: str | None = None, env_id: str | None = None,
+                 world_size: int = 1) -> dict:
+    """Dependencies, facts, the recommendation, every mode's plan (for a job of ``world_size`` ranks), and the
+    mode selected (``mode`` or the recommended one) with its ``--tune`` measurement for ``env_id`` if there is one.
 
     The dependencies come first: the plans import the training scripts, and where a required package
     they import is missing there are none (``recommendation`` None, ``plans`` empty)."""
     deps = dependency_report()
     facts = facts_report(m)
     try:
-        rec = recommend(m)
+        rec = recommend(m, world_size)
     except ImportError:
         if not deps["missing"]:
             raise
@@ -114,7 +115,7 @@ def print_plan(plan: dict) -> None:
     print(f"  devices: {plan['devices']}")
     mem = plan["memory"]
     buffers = [f"{k[:-6]} {fmt(v)}" for k, v in mem.items()
-               if k.endswith("_bytes") and k[:-6] in ("rollout", "batch", "replay", "cache")]
+               if k.endswith("_bytes") and k[:-6] in ("rollout", "batch", "replay", "cache", "ntuple_weights")]
     sizes = f"{', '.join(buffers)}; " if buffers else ""  # none where the plan could not be made
     print(f"  memory plan: {sizes}per worker ~{fmt(mem['per_worker_rss_bytes'])} RSS, "
           f"main ~{fmt(mem['main_rss_bytes'])}; total ~{fmt(mem['total_ram_bytes'])} of a "
