@@ -114,13 +114,15 @@ class Config(RunConfig):
     experience_queue_size: int = 2  # batches a worker may play ahead of the learner
     # --learner ntuple (common/ntuple.py); the settings above it uses: num_workers (self-play processes beside the
     # main process, which plays too), seed, the budgets, eval_interval (in iterations of 32 lockstep plies),
-    # eval_episodes and the targets. The defaults won short comparisons graded by the perfect player.
-    # More tuples play fewer games a second but learn more from each: graded after 15 minutes on 2 cores,
-    # 280 beat 140 and 70 (docs/parallel_train_dqn.md). 2 x 280 x 4 ** 8 float32 weights are 147 MB.
-    ntuple_tuples: int = 280  # random-walk tuples of adjacent cells, drawn from the seed
-    ntuple_length: int = 8  # cells per tuple: each tuple's table has 4 ** length entries per seat
+    # eval_episodes and the targets. The defaults won comparisons graded by the perfect player, 15 minutes on
+    # 2 cores, 3 seeds (docs/parallel_train_dqn.md): 140 tuples of 9 cells play 1.6 times the games of 280 of 8
+    # and grade as well or better; a constant step blundered least, and a run resumed from cron each night then
+    # learns at one rate, not at a rate that decays within every invocation. 2 x 140 x 4 ** 9 float32 weights
+    # are 294 MB, in /dev/shm.
+    ntuple_tuples: int = 140  # random-walk tuples of adjacent cells, drawn from the seed
+    ntuple_length: int = 9  # cells per tuple: each tuple's table has 4 ** length entries per seat
     ntuple_learning_rate: float = 1.0  # TD step at the start, shared by the entries a board reads
-    ntuple_final_learning_rate: float = 0.2  # at the end of the budget (exponential decay between)
+    ntuple_final_learning_rate: float = 1.0  # at the end of the budget (exponential decay between; equal: constant)
     ntuple_epsilon: float = 0.2  # share of self-play moves played at random (after the random opening)
     ntuple_random_opening: list[int] = field(default_factory=lambda: [0, 8])  # random plies opening a game: low, high
     ntuple_games_in_lockstep: int = 1024  # games each process plays together, one ply of all at a time

@@ -258,10 +258,10 @@ def test_a_setting_of_the_other_learner_is_refused_not_ignored(tmp_path, capsys,
 
 def test_an_ntuple_table_beyond_dev_shm_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with system.assumed_machine({"shm_free": 64 * 2**20}):  # docker's default /dev/shm; the default table is 147 MB
+    with system.assumed_machine({"shm_free": 64 * 2**20}):  # docker's default /dev/shm; the default table is 294 MB
         assert parallel_train_dqn.main(["--validate-only", "--output-dir", str(tmp_path / "run")]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "the n-tuple table (280 tuples of 8 cells) needs 140.0 MiB of shared " \
+        assert err.count("\n") == 1 and "the n-tuple table (140 tuples of 9 cells) needs 280.0 MiB of shared " \
             "memory, but /dev/shm has 64.0 MiB free" in err and "--shm-size" in err, err
         assert parallel_train_dqn.main(["--validate-only", "--ntuple-tuples", "100", "--ntuple-length", "7",
                             "--output-dir", str(tmp_path / "small")]) == 0  # 12.5 MiB fits
