@@ -18,7 +18,8 @@ classic games (``pettingzoo/tictactoe-v3`` ...) train the same way against their
 (common/envs/pettingzoo_games.py). Any single-agent Gymnasium id with a Discrete action space works too.
 
 That is the Q-network learner (``--learner q_network``). On ConnectFour-v0 on one machine the default,
-``--learner auto``, takes the n-tuple learner instead (``common.ntuple_trainer``): an n-tuple value function
+``--learner auto``, takes the n-tuple learner instead unless a setting of the Q-network is given
+(``common.ntuple_trainer``): an n-tuple value function
 learned by TD self-play, every process playing over one table in shared memory, much the stronger player there.
 
 Started by ``torchrun``, rank 0 does all of the above, and every other rank runs rollout
@@ -155,8 +156,9 @@ class Config(RunConfig):
                 "fp16", "needs a CUDA device (use bf16 on CPU)")
         require(self.learner in ("auto", "q_network", "ntuple"), "learner", self.learner,
                 "must be auto, q_network or ntuple")
-        requested, self.learner = self.learner, chosen_learner(self.learner, self.env_id)  # as config.yaml says
-        refuse_the_other_learners_settings(self, requested)
+        q_network_set = settings_set(self, Q_NETWORK_SETTINGS)
+        requested, self.learner = self.learner, chosen_learner(self.learner, self.env_id, None, q_network_set)
+        refuse_the_other_learners_settings(self, requested, q_network_set)  # config.yaml names the learner that ran
         require_positive(self, "ntuple_tuples", "ntuple_length", "ntuple_learning_rate", "ntuple_final_learning_rate",
                          "ntuple_games_in_lockstep")
         require(self.ntuple_length <= 10, "ntuple_length", self.ntuple_length,
@@ -167,18 +169,21 @@ class Config(RunConfig):
                 "must be two ply counts, 0 <= low <= high <= 41")
 
 
-def chosen_learner(requested: str, env_id: str, world_size: int | None = None) -> str:
+def chosen_learner(requested: str, env_id: str, world_size: int | None = None,
+                   q_network_set: tuple[str, ...] = ()) -> str:
     """The learner that runs for ``--learner requested``: auto is the n-tuple learner where it applies (ConnectFour-v0,
-    on one machine: its processes share one table in shared memory), else the Q-network. ``world_size`` is the
-    torchrun world's (WORLD_SIZE where it is None)."""
+    on one machine: its processes share one table in shared memory) unless a setting of the Q-network is given
+    (``q_network_set``: a command such as seed 002's ``--episodes-per-batch 4 --batch-size 256`` means the
+    Q-network), else the Q-network. ``world_size`` is the torchrun world's (WORLD_SIZE where it is None)."""
     if requested != "auto":
         return requested
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    return "ntuple" if env_id == "ConnectFour-v0" and world_size == 1 else "q_network"
+    return "ntuple" if env_id == "ConnectFour-v0" and world_size == 1 and not q_network_set else "q_network"
 
 
-# What only one learner reads. Set away from its default for the other learner, a setting is refused in one line
-# rather than ignored (a --buffer-size meant for the Q-network would otherwise do nothing to an n-tuple run).
+# What only one learner reads. A Q-network setting given makes auto the Q-network; set away from its default for the
+# learner that runs, a setting of the other is refused in one line rather than ignored (a --buffer-size would
+# otherwise do nothing to an n-tuple run).
 NTUPLE_SETTINGS = ("ntuple_tuples", "ntuple_length", "ntuple_learning_rate", "ntuple_final_learning_rate",
                    "ntuple_epsilon", "ntuple_random_opening", "ntuple_games_in_lockstep")
 Q_NETWORK_SETTINGS = (
@@ -190,17 +195,24 @@ Q_NETWORK_SETTINGS = (
     "max_game_length", "model_sync_interval", "worker_reset_interval", "experience_queue_size")
 
 
-def refuse_the_other_learners_settings(cfg: Config, requested: str) -> None:
-    others = Q_NETWORK_SETTINGS if cfg.learner == "ntuple" else NTUPLE_SETTINGS
-    defaults = Config.__dataclass_fields__
-    for name in others:
-        default = defaults[name].default_factory() if defaults[name].default is MISSING else defaults[name].default
-        if getattr(cfg, name) != default:
-            other = "q_network" if cfg.learner == "ntuple" else "ntuple"
-            how = (f", auto's choice on {cfg.env_id} on one machine (--learner {other} for the other)"
-                   if requested == "auto" else "")
-            raise ConfigError(name, getattr(cfg, name),
-                              f"is a setting of --learner {other}; this run's learner is {cfg.learner}{how}")
+def settings_set(cfg: Config, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of the fields ``names`` differ from their defaults."""
+    fields = Config.__dataclass_fields__
+    return tuple(name for name in names if getattr(cfg, name) != (
+        fields[name].default_factory() if fields[name].default is MISSING else fields[name].default))
+
+
+def refuse_the_other_learners_settings(cfg: Config, requested: str, q_network_set: tuple[str, ...]) -> None:
+    given = q_network_set if cfg.learner == "ntuple" else settings_set(cfg, NTUPLE_SETTINGS)
+    if not given:
+        return
+    other = "q_network" if cfg.learner == "ntuple" else "ntuple"
+    why = ""
+    if requested == "auto":
+        why = (f", auto's choice since --{q_network_set[0].replace('_', '-')} is set" if q_network_set else
+               f", auto's choice on {cfg.env_id}{' under torchrun' if cfg.env_id == 'ConnectFour-v0' else ''}")
+    raise ConfigError(given[0], getattr(cfg, given[0]),
+                      f"is a setting of --learner {other}; this run's learner is {cfg.learner}{why}")
 
 
 def check_env(cfg: Config, env) -> None:
@@ -295,7 +307,7 @@ def replay_capacity_bytes(capacity: int, env) -> int:
 def replay_buffers(cfg: Config, env) -> dict[str, int]:
     """The replay in the learner's process: ``buffer_size`` transitions, DEFAULT_BUFFER where it is unset; the
     n-tuple learner's weights (shared memory) instead."""
-    if chosen_learner(cfg.learner, cfg.env_id) == "ntuple":
+    if chosen_learner(cfg.learner, cfg.env_id, None, settings_set(cfg, Q_NETWORK_SETTINGS)) == "ntuple":
         return {"ntuple_weights": 2 * cfg.ntuple_tuples * 4 ** cfg.ntuple_length * 4}
     return {"replay": replay_capacity_bytes(DEFAULT_BUFFER if cfg.buffer_size is None else cfg.buffer_size, env)}
 

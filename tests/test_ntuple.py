@@ -231,6 +231,9 @@ def test_auto_is_the_ntuple_learner_on_connect_four_on_one_machine(monkeypatch):
         cfg.validate()
         chosen[env_id] = cfg.learner  # resolved: config.yaml and the checkpoints name the learner that ran
     assert chosen == {"ConnectFour-v0": "ntuple", "CartPole-v1": "q_network", "pettingzoo/tictactoe-v3": "q_network"}
+    seed_002 = parallel_train_dqn.Config(episodes_per_batch=4, batch_size=256)  # a setting of the Q-network given
+    seed_002.validate()
+    assert seed_002.learner == "q_network"
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun the Q-network learns, its rollouts come from every node
     cfg = parallel_train_dqn.Config()
     cfg.validate()
@@ -239,12 +242,14 @@ def test_auto_is_the_ntuple_learner_on_connect_four_on_one_machine(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--buffer-size", "50000"], "--buffer-size 50000: is a setting of --learner q_network; this run's learner is "
-                                 "ntuple, auto's choice on ConnectFour-v0 on one machine (--learner q_network"),
     (["--learner", "ntuple", "--batch-size", "64"], "--batch-size 64: is a setting of --learner q_network; this "
                                                     "run's learner is ntuple\n"),
     (["--learner", "q_network", "--ntuple-tuples", "70"], "--ntuple-tuples 70: is a setting of --learner ntuple"),
-    (["--env-id", "CartPole-v1", "--ntuple-epsilon", "0.1"], "this run's learner is q_network"),
+    (["--batch-size", "64", "--ntuple-tuples", "70"], "--ntuple-tuples 70: is a setting of --learner ntuple; this "
+                                                      "run's learner is q_network, auto's choice since --batch-size "
+                                                      "is set"),
+    (["--env-id", "CartPole-v1", "--ntuple-epsilon", "0.1"], "this run's learner is q_network, auto's choice on "
+                                                             "CartPole-v1"),
 ])
 def test_a_setting_of_the_other_learner_is_refused_not_ignored(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
