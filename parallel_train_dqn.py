@@ -122,8 +122,8 @@ class Config(RunConfig):
     # are 294 MB, in /dev/shm.
     ntuple_tuples: int = 140  # random-walk tuples of adjacent cells, drawn from the seed
     ntuple_length: int = 9  # cells per tuple: each tuple's table has 4 ** length entries per seat
-    ntuple_learning_rate: float = 1.0  # TD step at the start, shared by the entries a board reads
-    ntuple_final_learning_rate: float = 1.0  # at the end of the budget (exponential decay between; equal: constant)
+    ntuple_learning_rate: float = 1.0  # TD step shared by the entries a board reads (the start, if a final one is set)
+    ntuple_final_learning_rate: float | None = None  # at the end of the budget, decaying exponentially (None: constant)
     ntuple_epsilon: float = 0.2  # share of self-play moves played at random (after the random opening)
     ntuple_random_opening: list[int] = field(default_factory=lambda: [0, 8])  # random plies opening a game: low, high
     ntuple_games_in_lockstep: int = 1024  # games each process plays together, one ply of all at a time

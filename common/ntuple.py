@@ -212,7 +212,8 @@ class TrainConfig:
     games_in_lockstep: int = 1024  # games played together: numpy's overhead is paid once per ply for all
     # The defaults won short comparisons graded by the perfect player (what was tried: docs/parallel_train_dqn.md).
     learning_rate: float = 1.0  # step of the tanh's input per unit of TD error (shared by the active entries)
-    final_learning_rate: float = 0.2  # reached at the end of the budget, decaying exponentially
+    final_learning_rate: float | None = None  # reached at the end of the budget, decaying exponentially (None:
+    # the step stays learning_rate, so a learning_rate given alone neither rises nor falls)
     epsilon: float = 0.2  # share of moves played uniformly at random (after the random opening)
     final_epsilon: float = 0.2
     random_opening: tuple[int, int] = (0, 8)  # each game opens with this many random plies (drawn uniformly)
@@ -220,6 +221,8 @@ class TrainConfig:
 
     def learning_rate_at(self, fraction: float) -> float:
         """The step size ``fraction`` of the way through the budget (exponential decay)."""
+        if self.final_learning_rate is None:
+            return self.learning_rate
         return schedule(self.learning_rate, self.final_learning_rate, fraction)
 
     def epsilon_at(self, fraction: float) -> float:

@@ -19,6 +19,7 @@ from common import system
 from common.checkpoint import load_checkpoint
 from common.envs.connect_four import COLS, ROWS, RandomPlayer, drop, legal_mask, observe, play_match
 from common.ntuple import NTupleValue, SelfPlay, TrainConfig, random_walk_tuples, train
+from common.ntuple_trainer import ntuple_train_config
 from common.policy import load_policy
 from common.runlog import read_metrics
 
@@ -239,6 +240,17 @@ def test_auto_is_the_ntuple_learner_on_connect_four_on_one_machine(monkeypatch):
     cfg.validate()
     assert cfg.learner == "q_network"
     assert parallel_train_dqn.chosen_learner("auto", "ConnectFour-v0", world_size=1) == "ntuple"
+
+
+def test_a_learning_rate_given_alone_is_the_step_throughout():
+    alone = parallel_train_dqn.Config(ntuple_learning_rate=0.5)
+    alone.validate()
+    steps = [ntuple_train_config(alone).learning_rate_at(fraction) for fraction in (0.0, 0.5, 1.0)]
+    assert steps == [0.5, 0.5, 0.5]  # not a step rising towards the default's 1.0
+    decaying = parallel_train_dqn.Config(ntuple_learning_rate=1.0, ntuple_final_learning_rate=0.25)
+    decaying.validate()
+    steps = [ntuple_train_config(decaying).learning_rate_at(fraction) for fraction in (0.0, 0.5, 1.0)]
+    assert steps == pytest.approx([1.0, 0.5, 0.25])  # exponential: halfway is the geometric mean
 
 
 @pytest.mark.parametrize("argv, message", [
