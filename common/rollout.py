@@ -120,12 +120,14 @@ class RolloutCollector:
         obs, actions, logprobs, values = columns["obs"], columns["actions"], columns["logprobs"], columns["values"]
         acting.refresh()
         self.steps_by_version = Counter()
+        acted_since = 0  # the first step acted with the parameters of published.version (counted when they change)
         episodes = []
         for step in range(n_steps):
-            if published is not None:
-                if published.newer():
-                    acting.refresh()
-                self.steps_by_version[published.version] += num_envs
+            if published is not None and published.newer():
+                if step > acted_since:
+                    self.steps_by_version[published.version] += (step - acted_since) * num_envs
+                acting.refresh()
+                acted_since = step
             action, logprob, value = acting.act(seen(self.next_obs))
             obs[step] = self.next_obs
             actions[step] = action
@@ -135,6 +137,8 @@ class RolloutCollector:
             self.record(step, result)
             if result.episodes:
                 episodes.extend(result.episodes)
+        if published is not None and n_steps > acted_since:
+            self.steps_by_version[published.version] += (n_steps - acted_since) * num_envs
         self.buf["next_values"][self.cols] = acting.value(seen(self.next_obs))
         return episodes
 
@@ -146,7 +150,8 @@ class RolloutCollector:
         np.multiply(returns, self.normalizer.gamma, out=returns)
         returns += result.rewards
         columns["disc_returns"][step] = returns
-        returns[result.terminations | result.truncations] = 0.0
+        if result.episodes:  # an episode ended (the mask alone costs a microsecond at every step)
+            returns[result.terminations | result.truncations] = 0.0
         if np.count_nonzero(result.truncations):  # .any() costs microseconds more, at every step
             # A time limit is not the end of the task: bootstrap from the final observation.
             final_values = self.acting.value(self.seen(result.final_obs))
