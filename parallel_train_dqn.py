@@ -124,6 +124,7 @@ class Config(RunConfig):
     ntuple_length: int = 9  # cells per tuple: each tuple's table has 4 ** length entries per seat
     ntuple_learning_rate: float = 1.0  # TD step shared by the entries a board reads (the start, if a final one is set)
     ntuple_final_learning_rate: float | None = None  # at the end of the budget, decaying exponentially (None: constant)
+    ntuple_td_lambda: float = 0.0  # TD(lambda): afterstates learn the lambda-return of the errors after them (0: TD(0))
     ntuple_epsilon: float = 0.2  # share of self-play moves played at random (after the random opening)
     ntuple_random_opening: list[int] = field(default_factory=lambda: [0, 8])  # random plies opening a game: low, high
     ntuple_games_in_lockstep: int = 1024  # games each process plays together, one ply of all at a time
@@ -163,6 +164,7 @@ class Config(RunConfig):
                          "ntuple_games_in_lockstep")
         require(self.ntuple_length <= 10, "ntuple_length", self.ntuple_length,
                 "must be <= 10 (a tuple's table has 4 ** length entries per seat)")
+        require(0 <= self.ntuple_td_lambda < 1, "ntuple_td_lambda", self.ntuple_td_lambda, "must be in [0, 1)")
         require(0 <= self.ntuple_epsilon <= 1, "ntuple_epsilon", self.ntuple_epsilon, "must be in [0, 1]")
         opening = self.ntuple_random_opening
         require(len(opening) == 2 and 0 <= opening[0] <= opening[1] <= 41, "ntuple_random_opening", opening,
@@ -185,7 +187,7 @@ def chosen_learner(requested: str, env_id: str, world_size: int | None = None,
 # learner that runs, a setting of the other is refused in one line rather than ignored (a --buffer-size would
 # otherwise do nothing to an n-tuple run).
 NTUPLE_SETTINGS = ("ntuple_tuples", "ntuple_length", "ntuple_learning_rate", "ntuple_final_learning_rate",
-                   "ntuple_epsilon", "ntuple_random_opening", "ntuple_games_in_lockstep")
+                   "ntuple_td_lambda", "ntuple_epsilon", "ntuple_random_opening", "ntuple_games_in_lockstep")
 Q_NETWORK_SETTINGS = (
     "episodes_per_batch", "learning_rate", "anneal_lr", "gamma", "batch_size", "buffer_size", "learning_starts",
     "replay_ratio", "learning_steps_per_batch", "n_step", "target_update_interval", "tau", "max_grad_norm",

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--lockstep", type=int, default=defaults.games_in_lockstep, help="games played together")
     parser.add_argument("--lr", type=float, default=defaults.learning_rate)
     parser.add_argument("--final-lr", type=float, default=defaults.final_learning_rate)
+    parser.add_argument("--td-lambda", type=float, default=defaults.td_lambda, help="TD(lambda); 0: TD(0)")
     parser.add_argument("--epsilon", type=float, default=defaults.epsilon)
     parser.add_argument("--final-epsilon", type=float, default=defaults.final_epsilon)
     parser.add_argument("--opening", type=int, nargs=2, default=list(defaults.random_opening),
@@ -65,7 +66,7 @@ def main() -> None:
     load_before = machine_line()
     config = TrainConfig(games_in_lockstep=opts.lockstep, learning_rate=opts.lr, final_learning_rate=opts.final_lr,
                          epsilon=opts.epsilon, final_epsilon=opts.final_epsilon, random_opening=tuple(opts.opening),
-                         tanh_gradient=not opts.no_tanh_gradient)
+                         tanh_gradient=not opts.no_tanh_gradient, td_lambda=opts.td_lambda)
     value = NTupleValue.random(opts.tuples, opts.length, opts.seed)
     perfect = perfect_play(ENV_ID)
     curve: list[tuple[Progress, dict]] = []

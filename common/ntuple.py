@@ -23,15 +23,20 @@ memory.
 afterstate values with epsilon-greedy exploration and a few uniformly random opening plies. After every
 ply the afterstate the previous mover left is moved toward minus the best afterstate value the side now
 to move found (negamax TD(0) with a max target, so exploring moves do not bias the targets; an immediate
-win there is worth 1 to the mover, hence -1 as the target). All the games' updates of a ply are applied
-at once (torch's ``index_add_`` on the numpy weights), each LUT entry moving by the mean of the updates
-that hit it in that ply, so the thousands of games that share an entry move it like one game would.
+win there is worth 1 to the mover, hence -1 as the target). With ``td_lambda`` above 0 the update is
+TD(lambda) in its forward view: each afterstate waits ``horizon`` plies (or to the game's end), gathering
+the TD errors after it, the k-th weighted by (-lambda) ** k (the sign alternates: every other afterstate is
+the opponent's), and stops gathering at a move worth less than the best, whose consequences the greedy
+player would not have met (Watkins' cut); it then moves once by the sum. All the games' updates of a ply
+are applied at once (torch's ``index_add_`` on the numpy weights), each LUT entry moving by the mean of the
+updates that hit it in that ply, so the thousands of games that share an entry move it like one game would.
 
 Boards are those of common/envs/connect_four.py: ``(n, 6, 7)`` int8, +1/-1/0, row 0 the bottom.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,6 +223,15 @@ class TrainConfig:
     final_epsilon: float = 0.2
     random_opening: tuple[int, int] = (0, 8)  # each game opens with this many random plies (drawn uniformly)
     tanh_gradient: bool = True  # scale the TD error by tanh's slope (False: the error alone, as for a logistic loss)
+    td_lambda: float = 0.0  # TD(lambda): each afterstate learns the lambda-return of the TD errors after it (0: TD(0))
+
+    @property
+    def horizon(self) -> int:
+        """Plies of TD errors an afterstate's lambda-return sums before it is applied: until lambda ** k < 1/32
+        (at most a whole game); 1 for TD(0)."""
+        if self.td_lambda <= 0.0:
+            return 1
+        return min(CELLS, max(1, math.ceil(math.log(1 / 32) / math.log(self.td_lambda))))
 
     def learning_rate_at(self, fraction: float) -> float:
         """The step size ``fraction`` of the way through the budget (exponential decay)."""
@@ -252,9 +266,16 @@ class SelfPlay:
         self.heights = np.zeros((n, COLS), dtype=np.int64)
         self.base = np.tile(value.empty_index, (n, 1))  # the boards' base indices, kept up to date move by move
         self.opening = self._openings(n)
-        self.previous_idx = np.zeros((n, value.active), dtype=value.index_dtype)  # the afterstate the last mover left
-        self.previous_value = np.zeros(n, dtype=np.float32)
-        self.has_previous = np.zeros(n, dtype=bool)
+        # Each game's last ``horizon`` afterstates, in a ring: their LUT positions, their values when they were
+        # left, the lambda-return error gathered for them so far, the factor the next TD error joins it with,
+        # and whether they still wait for their update. ``head`` is the slot of the afterstate the last mover left.
+        k = self.horizon = config.horizon
+        self.ring_idx = np.zeros((k, n, value.active), dtype=value.index_dtype)
+        self.ring_value = np.zeros((k, n), dtype=np.float32)
+        self.ring_error = np.zeros((k, n), dtype=np.float32)
+        self.ring_factor = np.zeros((k, n), dtype=np.float32)
+        self.pending = np.zeros((k, n), dtype=bool)
+        self.head = 0
         self.hits = np.zeros(value.weights.size, dtype=np.float32)
         self.all_ids = np.arange(n)
         self.games = self.plies = 0
@@ -272,14 +293,20 @@ class SelfPlay:
         mover_seat = heights.sum(axis=1) % 2
         values, children, terminal = value.move_values(boards, heights, self.base)
         best = values.max(axis=1)
-        # TD(0): the afterstate the previous mover left is worth minus the best the side to move can do.
-        update = np.flatnonzero(self.has_previous)
-        if update.size:
-            v = self.previous_value[update]
-            steps = (learning_rate / value.active) * (-best[update] - v)
-            if self.config.tanh_gradient:
-                steps *= 1.0 - v * v
-            apply_mean_updates(value.weights, self.hits, self.previous_idx[update], steps)
+        # The TD error: the afterstate the previous mover left is worth minus the best the side to move can do.
+        # Every afterstate waiting in the ring takes it in, times its factor ((-lambda) ** plies since, by
+        # negamax, while the moves since were worth the best); the oldest is then updated by what it gathered
+        # (with horizon 1, TD(0): the previous afterstate, at once).
+        head, oldest = self.head, (self.head + 1) % self.horizon
+        if self.horizon == 1:
+            update = np.flatnonzero(self.pending[head])
+            self.ring_error[head, update] = -best[update] - self.ring_value[head, update]
+        else:
+            delta = np.where(self.pending[head], -best - self.ring_value[head], 0.0).astype(np.float32)
+            self.ring_error += self.ring_factor * delta
+            update = np.flatnonzero(self.pending[oldest])
+        self._learn([(oldest, update)], learning_rate)
+        self.pending[oldest] = False
         legal = np.isfinite(values)
         greedy = (values + rng.random(values.shape, dtype=np.float32) * 1e-6).argmax(axis=1)  # random ties
         random_move = (heights.sum(axis=1) < self.opening) | (rng.random(n) < epsilon)
@@ -289,11 +316,23 @@ class SelfPlay:
         actions = np.where(random_move, random_cols, greedy)
         ended = terminal[self.all_ids, actions]
         finished = np.flatnonzero(ended)
-        won = values[finished, actions[finished]] == 1.0  # a finishing move wins (1) or fills the board (0)
-        self.previous_idx[:] = children[self.all_ids, actions]
-        self.base = self.previous_idx - (mover_seat * value.seat_size).astype(value.index_dtype)[:, None]
-        self.previous_value[:] = values[self.all_ids, actions]
-        self.has_previous[:] = ~ended
+        chosen = values[self.all_ids, actions]
+        won = chosen[finished] == 1.0  # a finishing move wins (1) or fills the board (0)
+        if self.horizon > 1:
+            # A move worth less than the best (an exploring one) ends what the earlier afterstates learn from
+            # later errors: those come from a line the greedy player would not have taken.
+            self.ring_factor *= np.where(chosen == best, np.float32(-self.config.td_lambda), np.float32(0.0))
+            if finished.size:  # the game is over: its waiting afterstates learn what they gathered
+                self._learn([(slot, finished[self.pending[slot, finished]]) for slot in range(self.horizon)],
+                            learning_rate)
+                self.pending[:, finished] = False
+        self.head = head = oldest
+        self.ring_idx[head] = children[self.all_ids, actions]
+        self.base = self.ring_idx[head] - (mover_seat * value.seat_size).astype(value.index_dtype)[:, None]
+        self.ring_value[head] = chosen
+        self.ring_error[head] = 0.0
+        self.ring_factor[head] = 1.0
+        self.pending[head] = ~ended  # a finished game's last afterstate is worth what the rules say
         drop(boards, heights, self.all_ids, actions, 1)
         boards *= -1  # the other side moves next: it is +1 now
         self.plies += n
@@ -306,6 +345,21 @@ class SelfPlay:
             self.opening[finished] = self._openings(finished.size)
             self.games += finished.size
         return int(finished.size)
+
+    def _learn(self, rows: list[tuple[int, np.ndarray]], learning_rate: float) -> None:
+        """Move the afterstates of the games ``games`` of ring slot ``slot`` (each ``(slot, games)`` of
+        ``rows``) by their gathered errors, in one update (each LUT entry by the mean of its rows' steps)."""
+        rows = [(slot, games) for slot, games in rows if games.size]
+        if not rows:
+            return
+        v = np.concatenate([self.ring_value[slot, games] for slot, games in rows])
+        steps = (learning_rate / self.value.active) * np.concatenate([self.ring_error[slot, games]
+                                                                     for slot, games in rows])
+        if self.config.tanh_gradient:
+            steps *= 1.0 - v * v
+        indices = (self.ring_idx[rows[0][0], rows[0][1]] if len(rows) == 1 else
+                   np.concatenate([self.ring_idx[slot, games] for slot, games in rows]))
+        apply_mean_updates(self.value.weights, self.hits, indices, steps)
 
 
 def train(value: NTupleValue, minutes: float | None = None, games: int | None = None, seed: int = 0,

@@ -163,5 +163,6 @@ class NTupleTrainer:
 def ntuple_train_config(cfg) -> TrainConfig:
     """The self-play settings of parallel_train_dqn.py's ``ntuple_*`` config fields."""
     return TrainConfig(games_in_lockstep=cfg.ntuple_games_in_lockstep, learning_rate=cfg.ntuple_learning_rate,
-                       final_learning_rate=cfg.ntuple_final_learning_rate, epsilon=cfg.ntuple_epsilon,
-                       final_epsilon=cfg.ntuple_epsilon, random_opening=tuple(cfg.ntuple_random_opening))
+                       final_learning_rate=cfg.ntuple_final_learning_rate, td_lambda=cfg.ntuple_td_lambda,
+                       epsilon=cfg.ntuple_epsilon, final_epsilon=cfg.ntuple_epsilon,
+                       random_opening=tuple(cfg.ntuple_random_opening))

@@ -17,6 +17,7 @@ from conftest import ROOT, kill_tree, run_script, script_env, start_script
 import parallel_train_dqn
 from common import system
 from common.checkpoint import load_checkpoint
+from common.config import ConfigError
 from common.envs.connect_four import COLS, ROWS, RandomPlayer, drop, legal_mask, observe, play_match
 from common.ntuple import NTupleValue, SelfPlay, TrainConfig, random_walk_tuples, train
 from common.ntuple_trainer import ntuple_train_config
@@ -162,6 +163,69 @@ def test_act_plays_observations_of_the_env():
     assert value.act(observe(boards), mask)[1] != 3
 
 
+def test_td_lambda_moves_each_afterstate_once_by_its_lambda_return(monkeypatch):
+    """Against the textbook form, game by game: the afterstate a game's ply i left moves once, by the sum over
+    k < horizon of (-lambda) ** k times the TD error of ply i + 1 + k (negamax: each error is of the afterstate
+    before it, the other side's, so its sign alternates), up to the game's end, and only while the moves in
+    between were worth the best (an exploring move ends the sum)."""
+    import common.ntuple as ntuple
+
+    td_lambda, learning_rate = 0.5, 0.7
+    value = NTupleValue.random(count=8, length=4, seed=22)
+    config = TrainConfig(games_in_lockstep=6, td_lambda=td_lambda, epsilon=0.3, random_opening=(0, 2),
+                         tanh_gradient=False)
+    play = SelfPlay(value, config, seed=23)
+    plies, applied = [], {}
+    move_values, real_drop, real_apply = value.move_values, ntuple.drop, ntuple.apply_mean_updates
+
+    def recorded_move_values(*args):
+        values, children, terminal = move_values(*args)
+        plies.append({"values": values.copy(), "children": children.copy(), "terminal": terminal.copy()})
+        return values, children, terminal
+
+    def recorded_drop(boards, heights, ids, actions, piece):
+        plies[-1]["actions"] = np.asarray(actions).copy()
+        return real_drop(boards, heights, ids, actions, piece)
+
+    def recorded_apply(weights, hits, indices, steps):
+        for row, step in zip(np.asarray(indices), steps.tolist()):
+            applied.setdefault(row.tobytes(), []).append(step)
+        return real_apply(weights, hits, indices, steps)
+
+    monkeypatch.setattr(value, "move_values", recorded_move_values)
+    monkeypatch.setattr(ntuple, "drop", recorded_drop)
+    monkeypatch.setattr(ntuple, "apply_mean_updates", recorded_apply)
+    for _ in range(300):
+        play.ply(learning_rate, config.epsilon)
+
+    horizon, checked, cut = config.horizon, 0, 0
+    assert horizon == 5  # the first k with 0.5 ** k < 1/32
+    for game in range(config.games_in_lockstep):
+        line = []  # the plies of this game so far: (best value, chosen value, the afterstate's positions, ended)
+        for ply in plies:
+            values, action = ply["values"][game], ply["actions"][game]
+            line.append((values.max(), values[action], ply["children"][game, action].tobytes(),
+                         ply["terminal"][game, action]))
+            if not line[-1][3]:
+                continue
+            end = len(line) - 1  # the ply that ended the game: its afterstate is worth what the rules say
+            for i in range(end):
+                error, factor = 0.0, 1.0
+                for k in range(min(horizon, end - i)):
+                    best, previous_value = line[i + 1 + k][0], line[i + k][1]
+                    error += factor * (-best - previous_value)
+                    chosen, best_then = line[i + 1 + k][1], line[i + 1 + k][0]
+                    factor *= -td_lambda if chosen == best_then else 0.0
+                cut += factor == 0.0
+                steps = applied.get(line[i][2], [])
+                match = [s for s in steps if s == pytest.approx(learning_rate / value.active * error, abs=1e-6)]
+                assert match, (game, i, error, steps)
+                steps.remove(match[0])
+                checked += 1
+            line = []
+    assert checked > 200 and cut > 20  # many afterstates, and many sums an exploring move ended
+
+
 # ------------------------------------------------------------------ parallel_train_dqn.py --learner ntuple
 
 NTUPLE_RUN = ["--learner", "ntuple", "--ntuple-tuples", "40", "--ntuple-length", "6", "--ntuple-games-in-lockstep",
@@ -242,7 +306,7 @@ def test_auto_is_the_ntuple_learner_on_connect_four_on_one_machine(monkeypatch):
     assert parallel_train_dqn.chosen_learner("auto", "ConnectFour-v0", world_size=1) == "ntuple"
 
 
-def test_a_learning_rate_given_alone_is_the_step_throughout():
+def test_the_step_and_lambda_reach_the_self_play_as_set():
     alone = parallel_train_dqn.Config(ntuple_learning_rate=0.5)
     alone.validate()
     steps = [ntuple_train_config(alone).learning_rate_at(fraction) for fraction in (0.0, 0.5, 1.0)]
@@ -251,6 +315,11 @@ def test_a_learning_rate_given_alone_is_the_step_throughout():
     decaying.validate()
     steps = [ntuple_train_config(decaying).learning_rate_at(fraction) for fraction in (0.0, 0.5, 1.0)]
     assert steps == pytest.approx([1.0, 0.5, 0.25])  # exponential: halfway is the geometric mean
+    traced = parallel_train_dqn.Config(ntuple_td_lambda=0.7)
+    traced.validate()
+    assert ntuple_train_config(traced).horizon == 10  # 0.7 ** 10 < 1/32 < 0.7 ** 9
+    with pytest.raises(ConfigError, match="--ntuple-td-lambda 1.0: must be in"):
+        parallel_train_dqn.Config(ntuple_td_lambda=1.0).validate()
 
 
 @pytest.mark.parametrize("argv, message", [
