@@ -152,7 +152,10 @@ def launch(opts: argparse.Namespace, passthrough: list[str]) -> int:
     # The ranks of a --nnodes job, one per node unless --nproc-per-node says otherwise (as the dqn mode, whose
     # learner depends on them, runs): the plans are for the job the commands start.
     world_size = opts.nnodes * (opts.nproc_per_node or 1) if opts.nnodes is not None else 1
-    report = build_report(load_machine(opts), opts.mode, flag_value(passthrough, "--env-id"), world_size)
+    # The flags after the launcher's are the selected script's: with --mode dqn they choose its learner
+    # (--batch-size means the Q-network, as the script decides), and the plan is for that learner.
+    dqn_args = passthrough if opts.mode == "dqn" else []
+    report = build_report(load_machine(opts), opts.mode, flag_value(passthrough, "--env-id"), world_size, dqn_args)
     if report["recommendation"] is None:  # the scripts import a missing package: nothing can be planned
         return missing_packages(report, opts)
     mode = MODES[report["selected"]]

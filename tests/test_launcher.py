@@ -187,6 +187,22 @@ def test_the_dqn_plan_is_the_learner_the_machine_suits():
     assert ranks.args[:2] == ["--learner", "q_network"] and "2 ranks" in ranks.reason
 
 
+def test_the_dqn_plan_is_for_the_learner_the_flags_choose():
+    """With --mode dqn the flags after the launcher's are the script's, and they choose its learner as the script
+    does: the plan (and its memory) is for that learner and that table, not the defaults'."""
+    dqn = script_module("dqn")
+    asked = recommend(machine(8), dqn_args=["--batch-size", "32"]).plans["dqn"]
+    assert asked.settings["learner"] == "q_network" and "--learner" not in asked.args  # the script chooses it too
+    assert "auto's choice since --batch-size is set" in asked.reason and asked.memory["shm_bytes"] == 0
+    assert "Q-network" in recommend(machine(8), dqn_args=["--env-id", "CartPole-v1"]).plans["dqn"].reason
+    smaller = recommend(machine(8), dqn_args=["--ntuple-tuples", "70", "--ntuple-length", "8"]).plans["dqn"]
+    table = dqn.replay_buffers(dqn.Config(learner="ntuple", ntuple_tuples=70, ntuple_length=8), None)
+    assert smaller.settings["learner"] == "ntuple" and smaller.memory["shm_bytes"] == sum(table.values())
+    assert smaller.memory["shm_bytes"] * 4 == recommend(machine(8)).plans["dqn"].memory["shm_bytes"] // 2
+    # Flags the script's parser refuses: the defaults' plan (the script says what is wrong when it starts).
+    assert recommend(machine(8), dqn_args=["--no-such-flag"]).plans["dqn"].settings["learner"] == "ntuple"
+
+
 def test_the_memory_plan_counts_the_buffers_each_script_declares():
     """The plans size buffers with the scripts' own declarations (Mode.buffers, Mode.shm_buffers), nothing else."""
     plans = recommend(machine(64, gpus=1, ram_gib=512, shm_gib=256)).plans

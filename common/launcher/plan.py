@@ -10,13 +10,17 @@ the rules that choose workers, threads and devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from common import system
-from common.config import ConfigError
+from common.config import ConfigError, parse_config
 from common.launcher.modes import MODES, default_buffer, default_env, script_defaults, script_module
 
 MiB, GiB = 2**20, 2**30
@@ -218,34 +222,62 @@ def plan_ultra(m: system.Machine) -> Plan:
     return plan
 
 
-def plan_dqn(m: system.Machine, world_size: int = 1) -> Plan:
+def dqn_config(args: Sequence[str]) -> Any:
+    """The dqn script's config as the flags ``args`` the launcher passes it set it (a ``--config`` file's included),
+    unvalidated: validation asks this machine, and a plan may be for another. The defaults where the script's
+    parser refuses the flags: the script says why when it starts."""
+    if not args:
+        return script_defaults("dqn")
+    script = script_module("dqn")
+
+    class Unvalidated(script.Config):
+        def validate(self) -> None:
+            pass
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage message: the script prints its own
+            return parse_config(Unvalidated, list(args))
+    except SystemExit:
+        return script_defaults("dqn")
+
+
+def plan_dqn(m: system.Machine, world_size: int = 1, args: Sequence[str] = ()) -> Plan:
     """The learner the machine suits: the Q-network on cuda:0 where there is a GPU; else the learner the script
-    chooses for its default env (``chosen_learner``: the n-tuple learner for ConnectFour-v0 on one machine) where
-    its table fits in /dev/shm and RAM, the Q-network on the CPU where it does not. ``world_size``: the ranks of
-    the job (``--nnodes``), which the script's choice depends on."""
-    script, d = script_module("dqn"), script_defaults("dqn")
-    alone = script.chosen_learner(d.learner, d.env_id, 1)  # what the script runs started on its own, here
+    chooses for the run ``args`` asks for (``chosen_learner``: the n-tuple learner for ConnectFour-v0 on one
+    machine unless a setting of the Q-network is given) where its table fits in /dev/shm and RAM, the Q-network
+    on the CPU where it does not. ``world_size``: the ranks of the job (``--nnodes``), which the script's choice
+    depends on; ``args``: the flags the launcher passes the script."""
+    script, cfg = script_module("dqn"), dqn_config(args)
+    q_network_set = script.settings_set(cfg, script.Q_NETWORK_SETTINGS)
+    alone = script.chosen_learner(cfg.learner, cfg.env_id, 1, q_network_set)  # the script started alone, here
     if m.gpus:
-        instead = (f" (the n-tuple learner, the script's choice for {d.env_id} on one machine, runs on the CPU only)"
-                   if alone == "ntuple" else "")
-        return plan_q_network(m, f"the Q-network learns on the GPU{instead}")
-    chosen = script.chosen_learner(d.learner, d.env_id, world_size)
+        instead = (f" (the n-tuple learner, the script's choice for {cfg.env_id} on one machine, runs on the CPU "
+                   "only)" if alone == "ntuple" else "")
+        return plan_q_network(m, f"the Q-network learns on the GPU{instead}", name_it=alone != "q_network")
+    chosen = script.chosen_learner(cfg.learner, cfg.env_id, world_size, q_network_set)
     if chosen != "ntuple":
-        why = (f"{world_size} ranks: the n-tuple learner runs on one machine only" if alone == "ntuple"
-               else f"the script's learner for {d.env_id}")
-        return plan_q_network(m, why)
-    ntuple, problem = plan_ntuple(m)
+        if alone == "ntuple":
+            why = f"{world_size} ranks: the n-tuple learner runs on one machine only"
+        elif cfg.learner == "q_network":
+            why = "--learner q_network"
+        elif q_network_set:
+            why = f"the Q-network, auto's choice since --{q_network_set[0].replace('_', '-')} is set"
+        else:
+            why = f"the Q-network, the script's learner for {cfg.env_id}"
+        return plan_q_network(m, why, name_it=alone != "q_network")
+    ntuple, problem = plan_ntuple(m, cfg)
     if problem is None:
         return ntuple
-    plan = plan_q_network(m, f"{problem}, so the Q-network learner")
+    plan = plan_q_network(m, f"{problem}, so the Q-network learner", name_it=True)
     plan.warnings.insert(0, f"{problem}: the Q-network learner instead (--learner q_network)")
     return plan
 
 
-def plan_ntuple(m: system.Machine) -> tuple[Plan, str | None]:
-    """The n-tuple learner: the main process and its workers self-play over one table in /dev/shm, all on the
-    CPU; and why it cannot run here, or None."""
-    cores, table = m.usable_cores, buffer_bytes("dqn", learner="ntuple")
+def plan_ntuple(m: system.Machine, cfg: Any) -> tuple[Plan, str | None]:
+    """The n-tuple learner of the dqn config ``cfg``: the main process and its workers self-play over one table
+    in /dev/shm, all on the CPU; and why it cannot run here, or None."""
+    cores = m.usable_cores
+    table = buffer_bytes("dqn", learner="ntuple", ntuple_tuples=cfg.ntuple_tuples, ntuple_length=cfg.ntuple_length)
     # The main process plays and learns like a worker: one core each, the main process's included.
     workers, notes = fit_workers(m, max(1, cores - 1), WORKER_RSS, MAIN_RSS + sum(table.values()))
     # The table is this learner's only big buffer, and it lives in /dev/shm (the script's MODE.shm_buffers names
@@ -264,15 +296,17 @@ def plan_ntuple(m: system.Machine) -> tuple[Plan, str | None]:
                 f"CPU: the main process and {who} self-play over one table in /dev/shm", memory,
                 warnings=notes)
     plan.reason = (f"{cores} core{'s' * (cores > 1)}, no GPU: the n-tuple learner, the script's choice for "
-                   f"{script_defaults('dqn').env_id} on one machine, self-plays and learns by TD in the main "
+                   f"{cfg.env_id} on one machine, self-plays and learns by TD in the main "
                    f"process and {who} over one {size} table in /dev/shm; no replay, no network")
     return plan, problem
 
 
-def plan_q_network(m: system.Machine, why: str) -> Plan:
+def plan_q_network(m: system.Machine, why: str, name_it: bool) -> Plan:
     """The Q-network learner (Double DQN) on cuda:0 where there is a GPU, else on the CPU, fed by rollout workers
-    through its replay; ``why`` this learner."""
-    script, d = script_module("dqn"), script_defaults("dqn")
+    through its replay; ``why`` this learner. ``name_it``: the command says ``--learner q_network`` (where the
+    script started alone with the same flags would choose the n-tuple learner), so that it means the same run
+    wherever it is started or validated (under torchrun or not)."""
+    d = script_defaults("dqn")
     cores = m.usable_cores
     learner_threads = 1 if m.gpus or cores < 4 else 2
     budget = replay_budget(m, "dqn", sum(buffer_bytes("dqn", learner="q_network", buffer_size=1).values()),
@@ -281,9 +315,7 @@ def plan_q_network(m: system.Machine, why: str) -> Plan:
     device = "cuda:0" if m.gpus else d.device
     memory = memory_plan(m, workers, WORKER_RSS, budget.main,
                          buffer_bytes("dqn", learner="q_network", buffer_size=budget.buffer), shm_buffers("dqn"))
-    # Where the script alone would choose the n-tuple learner, the command names this one, so that it means the
-    # same run wherever it is started or validated (under torchrun or not).
-    named = ["--learner", "q_network"] if script.chosen_learner(d.learner, d.env_id, 1) != "q_network" else []
+    named = ["--learner", "q_network"] if name_it else []
     plan = Plan("dqn", named + replay_flags("dqn", budget, device),
                 {"learner": "q_network", "num_workers": workers, "buffer_size": budget.buffer, "device": device},
                 {"per_worker": 1, "learner": learner_threads},
@@ -365,13 +397,13 @@ def run_bytes(workers: int, buffers: dict[str, int], cuda: bool = False) -> int:
 PLANNERS = {"timed": plan_timed, "dqn": plan_dqn, "ultra": plan_ultra, "ppo-multiprocess": plan_population}
 
 
-def plan_mode(m: system.Machine, name: str, world_size: int = 1) -> Plan:
+def plan_mode(m: system.Machine, name: str, world_size: int = 1, dqn_args: Sequence[str] = ()) -> Plan:
     """The mode's plan for a job of ``world_size`` ranks; where its default env cannot be made here, a plan that
-    needs --force (and the user's own --env-id) and says why."""
+    needs --force (and the user's own --env-id) and says why. ``dqn_args``: the flags the dqn script is given."""
     try:
-        # Only the dqn mode's learner depends on the world size (the script's chosen_learner); the other modes
-        # plan each rank alike.
-        return plan_dqn(m, world_size) if name == "dqn" else PLANNERS[name](m)
+        # Only the dqn mode's learner depends on the world size and the flags (the script's chosen_learner); the
+        # other modes plan each rank alike.
+        return plan_dqn(m, world_size, dqn_args) if name == "dqn" else PLANNERS[name](m)
     except ConfigError as err:  # from default_env: an extra the env needs is missing (Box2D for LunarLander-v3)
         return Plan(name, [], {"device": script_defaults(name).device}, {}, "as the script decides",
                     memory_plan(m, 0, WORKER_RSS, MAIN_RSS, {}), not_recommended=f"its default env: {err}")
@@ -386,10 +418,10 @@ class Recommendation:
     warnings: list[str]
 
 
-def recommend(m: system.Machine, world_size: int = 1) -> Recommendation:
-    """Pick a mode and its settings from the machine's facts, for a job of ``world_size`` ranks (``--nnodes``).
-    A pure function of ``m`` and ``world_size``."""
-    plans = {name: plan_mode(m, name, world_size) for name in PLANNERS}
+def recommend(m: system.Machine, world_size: int = 1, dqn_args: Sequence[str] = ()) -> Recommendation:
+    """Pick a mode and its settings from the machine's facts, for a job of ``world_size`` ranks (``--nnodes``),
+    the dqn mode's for the flags ``dqn_args`` it is given (``--mode dqn``'s own). A pure function of them."""
+    plans = {name: plan_mode(m, name, world_size, dqn_args) for name in PLANNERS}
     refused = {name: p.cannot_run or p.not_recommended for name, p in plans.items()
                if p.cannot_run or p.not_recommended}
     gpus = len(m.gpus)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from common import system
@@ -29,16 +30,17 @@ def facts_report(m: system.Machine) -> dict:
 
 
 def build_report(m: system.Machine, mode: str | None = None, env_id: str | None = None,
-                 world_size: int = 1) -> dict:
-    """Dependencies, facts, the recommendation, every mode's plan (for a job of ``world_size`` ranks), and the
-    mode selected (``mode`` or the recommended one) with its ``--tune`` measurement for ``env_id`` if there is one.
+                 world_size: int = 1, dqn_args: Sequence[str] = ()) -> dict:
+    """Dependencies, facts, the recommendation, every mode's plan (for a job of ``world_size`` ranks; the dqn
+    mode's for the flags ``dqn_args`` it is given), and the mode selected (``mode`` or the recommended one) with
+    its ``--tune`` measurement for ``env_id`` if there is one.
 
     The dependencies come first: the plans import the training scripts, and where a required package
     they import is missing there are none (``recommendation`` None, ``plans`` empty)."""
     deps = dependency_report()
     facts = facts_report(m)
     try:
-        rec = recommend(m, world_size)
+        rec = recommend(m, world_size, dqn_args)
     except ImportError:
         if not deps["missing"]:
             raise
