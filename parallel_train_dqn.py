@@ -691,7 +691,7 @@ MODE = Mode("parallel_train_dqn", Config, make_trainer, description=__doc__.spli
             actions=("Discrete",), resume_requires=("model",), check=check_env,
             resume_must_match=("learner", "ntuple_tuples", "ntuple_length"),  # a checkpoint holds one learner's state
             distributed=True, cpu_collectives=True,  # ranks exchange CPU arrays only: an actor node needs no GPU
-            fingerprint=fingerprint, buffers=replay_buffers,
+            fingerprint=fingerprint, buffers=replay_buffers, shm_buffers=("ntuple_weights",),  # the replay is not
             metrics_columns=["epsilon", "learning_rate", "loss", "q_mean", "learner_updates", "updates_per_s",
                              "episodes_per_s", "model_version", "staleness", "buffer_size", "train_win_rate",
                              "iteration", "world_size", "episodes_by_rank", "ranks_lost", *EVAL_COLUMNS])

@@ -100,7 +100,7 @@ class Mode:
     # with: what the launcher plans RAM and /dev/shm with. The env is the probed one, or None where the buffers do
     # not depend on it (probing would build them). None: the mode allocates nothing worth planning for.
     buffers: Callable[[Any, EnvInfo | None], dict[str, int]] | None = None
-    shm_buffers: tuple[str, ...] = ()  # which of those buffers live in /dev/shm
+    shm_buffers: tuple[str, ...] = ()  # which of those buffers live in /dev/shm (where a config makes them)
 
 
 def env_kwargs_of(mode: Mode, cfg: Any) -> dict[str, Any]:

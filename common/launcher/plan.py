@@ -74,7 +74,7 @@ def fit_workers(m: system.Machine, wanted: int, per_worker: int, fixed: int, wha
 def memory_plan(m: system.Machine, workers: int, per_worker: int, main: int, buffers: dict[str, int],
                 shm_keys: tuple[str, ...] = ()) -> dict:
     """Bytes of every buffer, the per-process estimates, and the totals against RAM and /dev/shm."""
-    shm = sum(buffers[k] for k in shm_keys)
+    shm = sum(buffers.get(k, 0) for k in shm_keys)  # a key of a buffer this config does not make counts 0
     total = main + workers * per_worker + sum(buffers.values())
     return {**{f"{k}_bytes": v for k, v in buffers.items()}, "per_worker_rss_bytes": per_worker,
             "main_rss_bytes": main, "total_ram_bytes": total, "ram_budget_bytes": int(RAM_SHARE * m.ram_available),
@@ -280,9 +280,7 @@ def plan_ntuple(m: system.Machine, cfg: Any) -> tuple[Plan, str | None]:
     table = buffer_bytes("dqn", learner="ntuple", ntuple_tuples=cfg.ntuple_tuples, ntuple_length=cfg.ntuple_length)
     # The main process plays and learns like a worker: one core each, the main process's included.
     workers, notes = fit_workers(m, max(1, cores - 1), WORKER_RSS, MAIN_RSS + sum(table.values()))
-    # The table is this learner's only big buffer, and it lives in /dev/shm (the script's MODE.shm_buffers names
-    # the Q-network's, which has none there).
-    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, table, shm_keys=tuple(table))
+    memory = memory_plan(m, workers, WORKER_RSS, MAIN_RSS, table, shm_buffers("dqn"))  # the table, in /dev/shm
     size = system.format_bytes(memory["shm_bytes"])
     problem = None
     if memory["shm_bytes"] > SHM_SHARE * m.shm_free:
