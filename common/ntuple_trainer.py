@@ -56,7 +56,7 @@ class NTupleTrainer:
         self.counts = arrays.create("counts", (cfg.num_workers + 1, 5), np.int64)
         self.learning_rate, self.epsilon = self.schedule()
         run.counters.setdefault("iteration", 0)
-        self.before = {"global_step": run.counters["global_step"], "episodes": run.counters["episodes"]}
+        self.before = {key: run.counters[key] for key in ("global_step", "episodes", "updates")}
         self.results_before = np.array(run.counters.get("self_play_results", [0, 0, 0]), dtype=np.int64)
         iteration = run.counters["iteration"]  # a resumed run plays new games: its seeds move on
         self.play = SelfPlay(value, self.train_config, cfg.seed + 1_000_003 * iteration)
@@ -112,12 +112,14 @@ class NTupleTrainer:
             self.final_eval = self.evaluate()
 
     def count(self) -> None:
-        """The run's plies (global_step) and games (episodes): this process's, and every worker's."""
+        """The run's plies (global_step), games (episodes) and updates (a process's lockstep ply applies one batch
+        of TD updates): this process's, and every worker's."""
         self.counts[0] = count_row(self.play)
         totals = self.counts.sum(axis=0)
         counters = self.run.counters
         counters["global_step"] = self.before["global_step"] + int(totals[PLIES])
         counters["episodes"] = self.before["episodes"] + int(totals[GAMES])
+        counters["updates"] = self.before["updates"] + int(totals[PLIES]) // self.train_config.games_in_lockstep
         counters["self_play_results"] = (self.results_before + totals[FIRST_WON:FIRST_LOST + 1]).tolist()
 
     def after_iteration(self) -> None:

@@ -263,6 +263,8 @@ def test_the_ntuple_learner_trains_on_two_processes_survives_a_worker_death_stop
     assert "fault injected into worker 0" in out
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["learner"] == "ntuple" and first["worker_restarts"] == 1 and first["global_step"] > 0
+    # an update: one lockstep ply of one process, its 256 games' TD updates applied at once
+    assert first["updates"] == first["global_step"] // 256 and f"stopping after update {first['updates']}:" in out
     assert sum(first["self_play_results"].values()) == first["episodes"] > 0
 
     more = first["global_step"] + 150_000
@@ -271,6 +273,7 @@ def test_the_ntuple_learner_trains_on_two_processes_survives_a_worker_death_stop
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] and more <= summary["global_step"] < more + 200_000
+    assert summary["updates"] == first["updates"] + (summary["global_step"] - first["global_step"]) // 256
     assert summary["episodes"] > first["episodes"]
     assert sum(summary["self_play_results"].values()) == summary["episodes"]
     assert summary["final_eval"]["eval_win_random"] >= 0.9, summary["final_eval"]
