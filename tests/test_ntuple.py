@@ -90,18 +90,20 @@ def test_move_values_follow_the_rules_and_the_table():
     trained_weights(value, 5)
     parents = -random_boards(30, seed=6)  # +1 = the side to move
     heights = (parents != 0).sum(axis=1)
-    values, children, terminal = value.move_values(parents, heights)
+    values, terminal = value.move_values(parents, heights)
+    base = value.base_indices(-parents, 1 - heights.sum(axis=1) % 2)  # the boards' own, as the trainer keeps them
     for i in range(len(parents)):
         for col in np.flatnonzero(legal_mask(heights[i])):
             child, child_heights = parents[i:i + 1].copy(), heights[i:i + 1].copy()
             drop(child, child_heights, np.array([0]), np.array([col]), 1)
-            assert np.array_equal(children[i, col], value.indices(child)[0])  # the mover's seat's LUTs
-            if not terminal[i, col]:
+            positions = value.afterstate_indices(base[i:i + 1], heights[i:i + 1], np.array([col]))[0]
+            assert np.array_equal(positions, value.indices(child)[0])  # the mover's seat's LUTs
+            if not terminal[i, col]:  # read through the board's own entries and the changed ones
                 assert values[i, col] == pytest.approx(value.values(child)[0], abs=1e-6)
         assert np.isneginf(values[i][~legal_mask(heights[i])]).all()
     lines = np.zeros((1, ROWS, COLS), dtype=np.int8)
     lines[0, 0, :3], lines[0, 1, :3] = 1, -1  # three in the bottom row, the side to move's
-    values, _, terminal = value.move_values(lines, (lines != 0).sum(axis=1))
+    values, terminal = value.move_values(lines, (lines != 0).sum(axis=1))
     assert values[0, 3] == 1.0 and terminal[0, 3] and not terminal[0, 4]
 
 
@@ -176,12 +178,17 @@ def test_td_lambda_moves_each_afterstate_once_by_its_lambda_return(monkeypatch):
                          tanh_gradient=False)
     play = SelfPlay(value, config, seed=23)
     plies, applied = [], {}
-    move_values, real_drop, real_apply = value.move_values, ntuple.drop, ntuple.apply_mean_updates
+    move_values, afterstate_indices = value.move_values, value.afterstate_indices
+    real_drop, real_apply = ntuple.drop, ntuple.apply_mean_updates
 
     def recorded_move_values(*args):
-        values, children, terminal = move_values(*args)
-        plies.append({"values": values.copy(), "children": children.copy(), "terminal": terminal.copy()})
-        return values, children, terminal
+        values, terminal = move_values(*args)
+        plies.append({"values": values.copy(), "terminal": terminal.copy()})
+        return values, terminal
+
+    def recorded_afterstate_indices(*args):
+        plies[-1]["afterstates"] = afterstate_indices(*args).copy()
+        return plies[-1]["afterstates"]
 
     def recorded_drop(boards, heights, ids, actions, piece):
         plies[-1]["actions"] = np.asarray(actions).copy()
@@ -193,6 +200,7 @@ def test_td_lambda_moves_each_afterstate_once_by_its_lambda_return(monkeypatch):
         return real_apply(weights, hits, indices, steps)
 
     monkeypatch.setattr(value, "move_values", recorded_move_values)
+    monkeypatch.setattr(value, "afterstate_indices", recorded_afterstate_indices)
     monkeypatch.setattr(ntuple, "drop", recorded_drop)
     monkeypatch.setattr(ntuple, "apply_mean_updates", recorded_apply)
     for _ in range(300):
@@ -204,7 +212,7 @@ def test_td_lambda_moves_each_afterstate_once_by_its_lambda_return(monkeypatch):
         line = []  # the plies of this game so far: (best value, chosen value, the afterstate's positions, ended)
         for ply in plies:
             values, action = ply["values"][game], ply["actions"][game]
-            line.append((values.max(), values[action], ply["children"][game, action].tobytes(),
+            line.append((values.max(), values[action], ply["afterstates"][game].tobytes(),
                          ply["terminal"][game, action]))
             if not line[-1][3]:
                 continue
